@@ -1,0 +1,14 @@
+# The two commands of the README. Each does its own setup (scripts/setup.sh).
+.PHONY: demo test bench lint
+
+demo:
+	./scripts/setup.sh
+	.venv/bin/tdgather demo
+
+test:
+	./scripts/setup.sh test
+	.venv/bin/python -m pytest
+
+lint:
+	./scripts/setup.sh dev
+	.venv/bin/ruff check tdgather tests benchmarks

@@ -1,0 +1,41 @@
+"""tdgather: gather per-rank frame predictions to one CPU process, without pickle, and save them."""
+
+from .errors import (
+    DuplicateFrameError,
+    FrameConflictError,
+    OutputError,
+    PeerError,
+    PeerLostError,
+    ProtocolError,
+    ShapeMismatchError,
+    TdgatherError,
+    UnsupportedValueError,
+)
+from .frames import Frames
+from .gather import Gathered, GatherStats, gather
+from .reader import Dataset
+from .reader import open_dataset as open
+from .sink import save
+from .store import FrameStore
+
+__all__ = [
+    "Dataset",
+    "DuplicateFrameError",
+    "FrameConflictError",
+    "FrameStore",
+    "Frames",
+    "GatherStats",
+    "Gathered",
+    "OutputError",
+    "PeerError",
+    "PeerLostError",
+    "ProtocolError",
+    "ShapeMismatchError",
+    "TdgatherError",
+    "UnsupportedValueError",
+    "gather",
+    "open",
+    "save",
+]
+
+__version__ = "0.1.0"

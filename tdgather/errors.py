@@ -1,0 +1,77 @@
+"""The exceptions tdgather raises: one hierarchy, one module.
+
+Every message says what was expected, what came, and what to do. Tests share
+the message text through ``pytest.raises(match=...)``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DuplicateFrameError",
+    "FrameConflictError",
+    "OutputError",
+    "PeerError",
+    "PeerLostError",
+    "ProtocolError",
+    "ShapeMismatchError",
+    "TdgatherError",
+    "UnsupportedValueError",
+]
+
+
+class TdgatherError(Exception):
+    """Base class of every error tdgather raises on purpose."""
+
+
+class UnsupportedValueError(TdgatherError, TypeError):
+    """A prediction holds something tdgather cannot carry (refused at the sender)."""
+
+
+class ProtocolError(TdgatherError):
+    """A peer's message broke the wire contract; raised before anything is allocated.
+
+    Attributes:
+        rank: the group rank that sent the message.
+        field: the prelude or header field that was wrong.
+    """
+
+    def __init__(self, rank: int, field: str, message: str) -> None:
+        super().__init__(f"protocol error from rank {rank} in {field}: {message}")
+        self.rank = rank
+        self.field = field
+
+
+class PeerError(TdgatherError):
+    """A peer reported a failure (an ``error`` message), or rank ``dst`` did.
+
+    Attributes:
+        rank: the group rank that failed.
+        error_type: the name of the exception type on that rank.
+        error_message: its message.
+    """
+
+    def __init__(self, rank: int, error_type: str, error_message: str) -> None:
+        super().__init__(f"rank {rank} failed with {error_type}: {error_message}")
+        self.rank = rank
+        self.error_type = error_type
+        self.error_message = error_message
+
+
+class PeerLostError(PeerError):
+    """A peer stopped answering (timeout) or its connection closed (killed)."""
+
+
+class FrameConflictError(TdgatherError, ValueError):
+    """Frames of one filename that cannot be merged."""
+
+
+class DuplicateFrameError(FrameConflictError):
+    """The same ``(filename, frame_idx)`` came twice with different values."""
+
+
+class ShapeMismatchError(FrameConflictError):
+    """Frames of one filename differ in structure, shape or dtype."""
+
+
+class OutputError(TdgatherError, OSError):
+    """The output directory cannot be used, or writing it failed."""

@@ -1,0 +1,261 @@
+"""The data model shared by every stage: `Frames`, `Layout` and `Part`.
+
+A frame's value is a tensor, a nested dict / TensorDict / tensorclass of
+tensors, or such a tree with plain JSON values (str, int, float, bool, None)
+among its leaves. `flatten` turns a value into a `Layout` (the structure,
+dtypes and per-frame shapes) plus its tensor and JSON leaves; `rebuild` turns
+leaves back into a tensor, a TensorDict or the user's tensorclass.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import NonTensorStack, TensorDict, is_non_tensor, is_tensorclass, tensorclass
+from tensordict.base import TensorDictBase
+
+from ._dtypes import dtype_from_name, dtype_name, supported_list
+from .errors import UnsupportedValueError
+
+__all__ = ["Frames", "Layout", "Leaf", "Part", "byte_rows", "flatten", "rebuild"]
+
+Path = tuple[str, ...]
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+@tensorclass
+class Frames:
+    """The frames of one filename, ordered by ``frame_idx``.
+
+    Attributes:
+        frame_idx: LongTensor ``[T]``, strictly increasing.
+        frames: ``Tensor[T, ...]``, or a TensorDict / tensorclass with batch size ``[T]``.
+    """
+
+    frame_idx: torch.Tensor
+    frames: Any
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One tensor leaf of a frame: where it sits, its dtype and its per-frame shape."""
+
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The structure of one frame; frames of one filename must share it.
+
+    Attributes:
+        kind: ``"tensor"`` for a plain tensor, ``"tree"`` for a dict, TensorDict or tensorclass.
+        cls: ``"module:qualname"`` of a tensorclass, else None.
+        leaves: the tensor leaves, sorted by path.
+        nontensor: the paths of JSON leaves, sorted.
+    """
+
+    kind: str
+    cls: str | None
+    leaves: tuple[Leaf, ...]
+    nontensor: tuple[Path, ...] = ()
+
+    def describe(self) -> str:
+        """Return a short human description, as used in error messages.
+
+        >>> Layout("tensor", None, (Leaf((), torch.float32, (3, 4)),)).describe()
+        'float32[3, 4]'
+        """
+        if self.kind == "tensor":
+            leaf = self.leaves[0]
+            return f"{dtype_name(leaf.dtype)}{list(leaf.shape)}"
+        parts = [f"{'.'.join(leaf.path)}: {dtype_name(leaf.dtype)}{list(leaf.shape)}" for leaf in self.leaves]
+        parts += [f"{'.'.join(p)}: json" for p in self.nontensor]
+        name = self.cls.rsplit(":", 1)[-1] if self.cls else ""
+        return f"{name}{{{', '.join(parts)}}}"
+
+    def to_json(self) -> dict:
+        """The JSON form used in wire headers, shard metadata and the index."""
+        return {
+            "kind": self.kind,
+            "cls": self.cls,
+            "leaves": [{"path": list(x.path), "dtype": dtype_name(x.dtype), "shape": list(x.shape)} for x in self.leaves],
+            "json": [list(p) for p in self.nontensor],
+        }
+
+    @staticmethod
+    def from_json(obj: dict) -> Layout:
+        """Inverse of `to_json` for trusted input (the receive path validates first).
+
+        >>> lay = Layout("tensor", None, (Leaf((), torch.bool, (2,)),))
+        >>> Layout.from_json(lay.to_json()) == lay
+        True
+        """
+        leaves = tuple(Leaf(tuple(x["path"]), dtype_from_name(x["dtype"]), tuple(x["shape"])) for x in obj["leaves"])
+        return Layout(obj["kind"], obj["cls"], leaves, tuple(tuple(p) for p in obj["json"]))
+
+    @property
+    def frame_nbytes(self) -> int:
+        """Bytes of tensor data in one frame."""
+        return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in self.leaves)
+
+
+@dataclass
+class Part:
+    """Frames of one layout from one rank, sorted by file then ``frame_idx``.
+
+    ``files[i]`` owns the next ``counts[i]`` rows of ``frame_idx``, of every
+    tensor in ``leaves`` (``[N, *leaf.shape]``) and of every list in ``json``.
+    """
+
+    rank: int
+    layout: Layout
+    files: list[str]
+    counts: list[int]
+    frame_idx: torch.Tensor
+    leaves: list[torch.Tensor]
+    json: list[list]
+
+
+def _check_tensor(t: torch.Tensor, where: str) -> None:
+    problem = None
+    if t.layout != torch.strided:
+        problem = f"layout {t.layout}"
+    elif t.is_nested:
+        problem = "a nested tensor"
+    elif t.is_quantized:
+        problem = "a quantized tensor"
+    elif t.device.type == "meta":
+        problem = "a meta tensor (it has no data)"
+    elif dtype_name(t.dtype) is None:
+        problem = f"dtype {t.dtype}"
+    if problem:
+        raise UnsupportedValueError(
+            f"{where}: expected a dense tensor of a supported dtype ({supported_list()}), "
+            f"got {problem}; convert it first, e.g. with .to_dense() or .to(torch.float32)"
+        )
+
+
+def _check_json(value: Any, where: str) -> None:
+    if not isinstance(value, _JSON_SCALARS) or (isinstance(value, float) and not math.isfinite(value)):
+        raise UnsupportedValueError(
+            f"{where}: expected a tensor or a plain JSON value (str, int, float, bool, None), "
+            f"got {type(value).__name__} {value!r:.60}; make it a tensor or one of those"
+        )
+
+
+def flatten(value: Any, batch: int | None, where: str) -> tuple[Layout, list[torch.Tensor], list[Any]]:
+    """Split a frame value into its layout, tensor leaves and JSON leaves.
+
+    Args:
+        value: one frame (``batch=None``) or a batch of ``batch`` frames (leading dim).
+        batch: the batch size, or None for a single frame.
+        where: what to name in error messages (a filename, a key).
+
+    Returns:
+        ``(layout, tensors, json)``: for a batch, each JSON leaf is a list of ``batch`` values.
+
+    >>> lay, t, j = flatten({"m": torch.zeros(2, 3), "s": ["a", "b"]}, 2, "x")
+    >>> lay.describe(), j
+    ('{m: float32[3], s: json}', [['a', 'b']])
+    """
+    if isinstance(value, torch.Tensor):
+        _check_tensor(value, where)
+        return Layout("tensor", None, (Leaf((), value.dtype, _frame_shape(value, batch, where)),)), [value], []
+    cls = None
+    if is_tensorclass(value):
+        cls = f"{type(value).__module__}:{type(value).__qualname__}"
+        value = value._tensordict
+    if not isinstance(value, Mapping | TensorDictBase):
+        raise UnsupportedValueError(
+            f"{where}: expected a tensor, or a dict / TensorDict / tensorclass of tensors, "
+            f"got {type(value).__name__}"
+        )
+    found: list[tuple[Path, Any, bool]] = []
+    _walk(value, (), batch, where, found)
+    leaves, tensors, json_paths, json_values = [], [], [], []
+    for path, v, is_tensor in found:
+        if is_tensor:
+            leaves.append(Leaf(path, v.dtype, _frame_shape(v, batch, f"{where} key {'.'.join(path)!r}")))
+            tensors.append(v)
+        else:
+            json_paths.append(path)
+            json_values.append(v)
+    return Layout("tree", cls, tuple(leaves), tuple(json_paths)), tensors, json_values
+
+
+def _frame_shape(t: torch.Tensor, batch: int | None, where: str) -> tuple[int, ...]:
+    if batch is None:
+        return tuple(t.shape)
+    if t.dim() == 0 or t.shape[0] != batch:
+        raise ValueError(f"{where}: expected a leading batch dimension of {batch}, got shape {list(t.shape)}")
+    return tuple(t.shape[1:])
+
+
+def _walk(node: Any, path: Path, batch: int | None, where: str, out: list) -> None:
+    keys = list(node.keys())
+    for key in sorted(keys) if isinstance(node, Mapping) else sorted(keys, key=str):
+        if not isinstance(key, str):
+            raise UnsupportedValueError(f"{where}: expected str keys, got {type(key).__name__} {key!r}")
+        sub = (*path, key)
+        label = f"{where} key {'.'.join(sub)!r}"
+        v = node.get(key) if isinstance(node, TensorDictBase) else node[key]
+        if isinstance(node, TensorDictBase) and is_non_tensor(v):
+            v = v.tolist() if batch is not None else v.data
+        if isinstance(v, torch.Tensor):
+            _check_tensor(v, label)
+            out.append((sub, v, True))
+        elif isinstance(v, Mapping | TensorDictBase) or is_tensorclass(v):
+            _walk(v._tensordict if is_tensorclass(v) else v, sub, batch, where, out)
+        else:
+            values = v if batch is not None else [v]
+            if batch is not None and (not isinstance(v, list | tuple) or len(v) != batch):
+                raise UnsupportedValueError(f"{label}: expected a tensor or a list of {batch} JSON values")
+            for item in values:
+                _check_json(item, label)
+            out.append((sub, list(v) if batch is not None else v, False))
+
+
+def rebuild(layout: Layout, count: int, tensors: list[torch.Tensor], json: list[list]) -> Any:
+    """Turn leaves of ``count`` frames back into a tensor, TensorDict or tensorclass.
+
+    A tensorclass comes back as its class when that class is already imported in
+    this process; tdgather never imports a module named by a peer.
+    """
+    if layout.kind == "tensor":
+        return tensors[0]
+    td = TensorDict({}, batch_size=[count])
+    for leaf, t in zip(layout.leaves, tensors, strict=True):
+        td.set(leaf.path, t)
+    for path, values in zip(layout.nontensor, json, strict=True):
+        td.set(path, NonTensorStack.from_list(list(values)))
+    cls = _loaded_tensorclass(layout.cls)
+    return cls._from_tensordict(td) if cls is not None else td
+
+
+def _loaded_tensorclass(name: str | None) -> type | None:
+    if not name or ":" not in name:
+        return None
+    module_name, qualname = name.split(":", 1)
+    obj: Any = sys.modules.get(module_name)  # only modules this process already imported
+    for attr in qualname.split("."):
+        obj = getattr(obj, attr, None) if obj is not None else None
+    return obj if isinstance(obj, type) and is_tensorclass(obj) else None
+
+
+def byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """View ``[B, ...]`` as ``uint8[B, bytes_per_frame]``, copying only non-contiguous input.
+
+    Bytes are what the wire and the duplicate check compare: bit-exact for every dtype.
+
+    >>> byte_rows(torch.ones(2, 3, dtype=torch.float16)).shape
+    torch.Size([2, 6])
+    """
+    row = math.prod(t.shape[1:]) * t.dtype.itemsize
+    return t.contiguous().view(-1).view(torch.uint8).view(t.shape[0], row)

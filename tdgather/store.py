@@ -1,0 +1,221 @@
+"""Stage 1, the per-rank frame store: predictions in, sorted groups out.
+
+Frames are grouped by `Layout` (structure, dtypes, per-frame shapes), so a
+group is a variable-length stack of same-shaped frames: it needs no padding.
+Filenames are interned to ids. CPU tensors are kept by reference (no copy);
+CUDA tensors are copied to the host once, here. The one real copy happens in
+`tdgather.wire.pack`, straight into the payload, in the order `plan` gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import ShapeMismatchError, UnsupportedValueError
+from .frames import Layout, flatten
+
+__all__ = ["FrameStore", "GroupPlan", "as_store"]
+
+
+@dataclass
+class _Chunk:
+    file_ids: torch.Tensor  # int64 [B]
+    frame_idx: torch.Tensor  # int64 [B]
+    tensors: list[torch.Tensor]  # [B, *leaf.shape], on the CPU
+    json: list[list]  # B values per JSON leaf
+
+
+@dataclass
+class GroupPlan:
+    """How one layout group is laid out, sorted by file then ``frame_idx``.
+
+    ``targets[c]`` says where chunk ``c``'s rows go: an int when they form one
+    run starting there (a plain copy), else a LongTensor of row positions.
+    """
+
+    layout: Layout
+    files: list[str]
+    counts: list[int]
+    frame_idx: torch.Tensor
+    chunks: list[_Chunk]
+    targets: list[int | torch.Tensor]
+    json: list[list]
+
+    @property
+    def num_frames(self) -> int:
+        """Frames in the group."""
+        return self.frame_idx.numel()
+
+
+def _this_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class FrameStore:
+    """The frames one rank holds, before they are sent.
+
+    Example:
+        >>> store = FrameStore()
+        >>> store.add(["a.mp4", "a.mp4"], [1, 0], torch.zeros(2, 3))
+        >>> store.update({"b.mp4": (0, torch.ones(3))})
+        >>> len(store), store.nbytes
+        (3, 36)
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._names: list[str] = []
+        self._file_layout: list[Layout] = []
+        self._layouts: dict[Layout, Layout] = {}
+        self._chunks: dict[Layout, list[_Chunk]] = {}
+        self.num_frames = 0
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return self.num_frames
+
+    def add(self, filenames: str | Sequence[str], frame_idx: torch.Tensor | Sequence[int], frames: Any) -> None:
+        """Add a batch of B frames.
+
+        Args:
+            filenames: B names, or one name for all B frames.
+            frame_idx: B ints, as a tensor or a list.
+            frames: ``Tensor[B, ...]``, or a dict / TensorDict / tensorclass with batch dim B.
+        """
+        idx = _as_index(frame_idx)
+        count = idx.numel()
+        names = [filenames] * count if isinstance(filenames, str) else list(filenames)
+        if len(names) != count:
+            raise ValueError(f"add(): expected one filename per frame ({count}), got {len(names)} filenames")
+        layout, tensors, json = flatten(frames, count, "add() frames")
+        self._append(names, idx, layout, tensors, json)
+
+    def update(self, predictions: Mapping[str, Any]) -> None:
+        """Add ``{filename: (frame_idx, value)}`` or ``{filename: [(frame_idx, value), ...]}``."""
+        buckets: dict[Layout, tuple[list, list, list[list], list[list]]] = {}
+        fast: dict[tuple, Layout] = {}
+        for name, entry in predictions.items():
+            for fi, value in _pairs(name, entry):
+                if type(value) is torch.Tensor:
+                    key = (value.dtype, value.shape)
+                    layout = fast.get(key)
+                    if layout is None:
+                        layout = fast[key] = flatten(value, None, f"filename {name!r}")[0]
+                    tensors, json = [value], []
+                else:
+                    layout, tensors, json = flatten(value, None, f"filename {name!r}")
+                names, idx, leaf_lists, json_lists = buckets.get(layout) or buckets.setdefault(
+                    layout, ([], [], [[] for _ in layout.leaves], [[] for _ in layout.nontensor])
+                )
+                names.append(name)
+                idx.append(fi)
+                for lst, t in zip(leaf_lists, tensors, strict=True):
+                    lst.append(t)
+                for lst, v in zip(json_lists, json, strict=True):
+                    lst.append(v)
+        for layout, (names, idx, leaf_lists, json_lists) in buckets.items():
+            self._append(names, _as_index(idx), layout, [_stack(ts) for ts in leaf_lists], json_lists)
+
+    def _append(self, names: list[str], idx: torch.Tensor, layout: Layout, tensors: list, json: list) -> None:
+        layout = self._layouts.setdefault(layout, layout)
+        for name in dict.fromkeys(names):
+            fid = self._ids.get(name)
+            if fid is None:
+                if not isinstance(name, str):
+                    raise UnsupportedValueError(f"expected str filenames, got {type(name).__name__} {name!r}")
+                self._ids[name] = len(self._names)
+                self._names.append(name)
+                self._file_layout.append(layout)
+            elif self._file_layout[fid] is not layout:
+                rank = _this_rank()
+                raise ShapeMismatchError(
+                    f"filename {name!r}: frames on rank {rank} have {self._file_layout[fid].describe()} "
+                    f"and {layout.describe()} (ranks [{rank}]); every frame of a filename must have "
+                    "the same structure, shape and dtype"
+                )
+        ids = self._ids
+        file_ids = torch.tensor([ids[n] for n in names], dtype=torch.int64)
+        tensors = [t.detach() if t.device.type == "cpu" else t.detach().to("cpu") for t in tensors]
+        self._chunks.setdefault(layout, []).append(_Chunk(file_ids, idx, tensors, json))
+        self.num_frames += idx.numel()
+        self.nbytes += idx.numel() * layout.frame_nbytes
+
+    def plan(self) -> list[GroupPlan]:
+        """Sort every group by (file, frame_idx) and say where each chunk's rows go."""
+        plans = []
+        for layout, chunks in self._chunks.items():
+            ids = torch.cat([c.file_ids for c in chunks])
+            idx = torch.cat([c.frame_idx for c in chunks])
+            order = torch.argsort(idx, stable=True)
+            order = order[torch.argsort(ids[order], stable=True)]
+            dest = torch.empty_like(order)
+            dest[order] = torch.arange(order.numel())
+            uniq, counts = torch.unique_consecutive(ids[order], return_counts=True)
+            targets, start = [], 0
+            for c in chunks:
+                pos = dest[start : start + c.frame_idx.numel()]
+                start += c.frame_idx.numel()
+                first = int(pos[0]) if pos.numel() else 0
+                runs = pos.numel() == 0 or bool((pos == torch.arange(first, first + pos.numel())).all())
+                targets.append(first if runs else pos)
+            json = [[v for c in chunks for v in c.json[j]] for j in range(len(layout.nontensor))]
+            if json:
+                perm = order.tolist()
+                json = [[vals[k] for k in perm] for vals in json]
+            files = [self._names[i] for i in uniq.tolist()]
+            plans.append(GroupPlan(layout, files, counts.tolist(), idx[order], chunks, targets, json))
+        return plans
+
+
+def as_store(predictions: FrameStore | Mapping[str, Any]) -> FrameStore:
+    """Return ``predictions`` as a `FrameStore` (a store passes through)."""
+    if isinstance(predictions, FrameStore):
+        return predictions
+    if not isinstance(predictions, Mapping):
+        raise UnsupportedValueError(
+            "expected a dict {filename: (frame_idx, tensor)}, {filename: [(frame_idx, tensor), ...]} "
+            f"or a tdgather.FrameStore, got {type(predictions).__name__}"
+        )
+    store = FrameStore()
+    store.update(predictions)
+    return store
+
+
+def _pairs(name: str, entry: Any) -> Iterable[tuple[Any, Any]]:
+    if isinstance(entry, tuple) and len(entry) == 2 and _is_index(entry[0]):
+        return (entry,)
+    if isinstance(entry, list | tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in entry):
+        return entry
+    raise UnsupportedValueError(
+        f"filename {name!r}: expected (frame_idx, value) or a list of (frame_idx, value) pairs, "
+        f"got {type(entry).__name__}"
+    )
+
+
+def _is_index(x: Any) -> bool:
+    return isinstance(x, int) or (isinstance(x, torch.Tensor) and x.dim() == 0)
+
+
+def _as_index(frame_idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    if isinstance(frame_idx, torch.Tensor):
+        if frame_idx.dtype.is_floating_point or frame_idx.dtype.is_complex or frame_idx.dtype == torch.bool:
+            raise UnsupportedValueError(f"frame_idx: expected integers, got dtype {frame_idx.dtype}")
+        if frame_idx.dim() > 1:
+            raise ValueError(f"frame_idx: expected one index per frame (1-d), got shape {list(frame_idx.shape)}")
+        return frame_idx.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+    try:
+        return torch.tensor([int(i) for i in frame_idx], dtype=torch.int64)
+    except (TypeError, ValueError) as e:
+        raise UnsupportedValueError(f"frame_idx: expected a tensor or a list of ints, got {frame_idx!r:.80}") from e
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    devices = {t.device for t in tensors}
+    if len(devices) == 1:
+        return torch.stack(tensors)  # on CUDA: one stack there, then one copy to the host
+    return torch.stack([t.cpu() for t in tensors])

@@ -1,0 +1,363 @@
+"""Stage 2, the wire format: pack a store into one payload, validate and unpack.
+
+A message is three tensors, in order on one peer's stream:
+
+1. a prelude, ``int64[8]``: magic, version, kind, sequence number, header
+   length, payload length, source rank, reserved;
+2. a UTF-8 JSON header (absent when its length is 0);
+3. at most one ``uint8`` payload (absent when its length is 0).
+
+Every size is known before anything is allocated, and `decode_prelude` and
+`decode_header` check every field first. The payload is rebuilt as views of the
+one received buffer. No pickle: non-tensor values travel as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from ._dtypes import dtype_from_name, dtype_name
+from .errors import ProtocolError
+from .frames import Layout, Part, byte_rows
+from .store import FrameStore
+
+__all__ = [
+    "ALIGN",
+    "MAGIC",
+    "PRELUDE_LEN",
+    "VERSION",
+    "DataHeader",
+    "Kind",
+    "Limits",
+    "PartSpec",
+    "Prelude",
+    "TensorSpec",
+    "decode_header",
+    "decode_json",
+    "encode_json",
+    "pack",
+    "unpack",
+]
+
+MAGIC = int.from_bytes(b"tdgather", "big")
+VERSION = 1
+PRELUDE_LEN = 8
+ALIGN = 64  # every leaf starts at a multiple of this, so views of any dtype are aligned
+
+
+class Kind(IntEnum):
+    """Message kinds."""
+
+    DATA = 1
+    DONE = 2
+    ERROR = 3
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps checked before any allocation on the receive path."""
+
+    max_header_bytes: int = 256 << 20
+    max_payload_bytes: int = _physical_memory()
+    max_depth: int = 16
+
+
+@dataclass(frozen=True)
+class Prelude:
+    """The fixed-size start of every message."""
+
+    kind: Kind
+    seq: int
+    header_len: int
+    payload_len: int
+    src: int
+
+    def encode(self) -> torch.Tensor:
+        """Return the prelude as the ``int64[8]`` tensor that goes on the wire."""
+        fields = [MAGIC, VERSION, int(self.kind), self.seq, self.header_len, self.payload_len, self.src, 0]
+        return torch.tensor(fields, dtype=torch.int64)
+
+    @staticmethod
+    def decode(t: torch.Tensor, src: int, seq: int, limits: Limits) -> Prelude:
+        """Validate a received prelude from group rank ``src``, expected number ``seq``."""
+        magic, version, kind, got_seq, header_len, payload_len, got_src, _ = t.tolist()
+
+        def check(ok: bool, field: str, expected: str, got: Any) -> None:
+            if not ok:
+                raise ProtocolError(src, f"prelude.{field}", f"expected {expected}, got {got}")
+
+        check(magic == MAGIC, "magic", hex(MAGIC), hex(magic & (2**64 - 1)))
+        check(version == VERSION, "version", f"protocol version {VERSION} (same tdgather on every rank)", version)
+        check(kind in Kind._value2member_map_, "kind", "1 (data), 2 (done) or 3 (error)", kind)
+        check(got_seq == seq, "seq", f"message number {seq}", got_seq)
+        check(got_src == src, "src", f"rank {src}", got_src)
+        check(0 <= header_len <= limits.max_header_bytes, "header_len", f"0..{limits.max_header_bytes}", header_len)
+        check(0 <= payload_len <= limits.max_payload_bytes, "payload_len", f"0..{limits.max_payload_bytes}", payload_len)
+        check(kind == Kind.DATA or payload_len == 0, "payload_len", "0 for a done or error message", payload_len)
+        return Prelude(Kind(kind), got_seq, header_len, payload_len, got_src)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Where one tensor sits in the payload."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One layout group of a data message."""
+
+    layout: Layout
+    files: tuple[str, ...]
+    counts: tuple[int, ...]
+    frame_idx: TensorSpec
+    leaves: tuple[TensorSpec, ...]
+    json: tuple[list, ...]
+
+
+@dataclass(frozen=True)
+class DataHeader:
+    """The validated header of a data message."""
+
+    parts: tuple[PartSpec, ...]
+
+    @property
+    def num_frames(self) -> int:
+        """Frames announced by this message."""
+        return sum(sum(p.counts) for p in self.parts)
+
+
+def encode_json(obj: Any) -> bytes:
+    """Encode a header: UTF-8 JSON, no NaN."""
+    return json.dumps(obj, allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def decode_json(raw: bytes, src: int, limits: Limits) -> Any:
+    """Parse header bytes strictly: UTF-8, no NaN/Infinity, no duplicate keys, bounded depth."""
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            seen = [k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i])]
+            raise ValueError(f"duplicate key {seen[0]!r}")
+        return obj
+
+    try:
+        text = raw.decode("utf-8")
+        if _depth(text) > limits.max_depth:
+            raise ValueError(f"nesting deeper than {limits.max_depth}")
+        return json.loads(text, parse_constant=no_constants, object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ProtocolError(src, "header", f"expected strict UTF-8 JSON, got invalid bytes ({e})") from e
+
+
+def _depth(text: str) -> int:
+    """Bracket nesting depth outside strings, found without recursion."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+class _Check:
+    """Typed field access on a parsed header, raising ProtocolError naming the field."""
+
+    def __init__(self, src: int) -> None:
+        self.src = src
+
+    def fail(self, field: str, expected: str, got: Any) -> ProtocolError:
+        return ProtocolError(self.src, field, f"expected {expected}, got {got!r:.120}")
+
+    def obj(self, x: Any, field: str, keys: set[str]) -> dict:
+        if not isinstance(x, dict) or set(x) != keys:
+            got = sorted(x) if isinstance(x, dict) else type(x).__name__
+            raise self.fail(field, f"an object with keys {sorted(keys)}", got)
+        return x
+
+    def list(self, x: Any, field: str, length: int | None = None) -> list:
+        if not isinstance(x, list) or (length is not None and len(x) != length):
+            raise self.fail(field, "a list" + (f" of {length} items" if length is not None else ""), x)
+        return x
+
+    def int(self, x: Any, field: str, hi: int = 2**62) -> int:
+        if type(x) is not int or not 0 <= x <= hi:
+            raise self.fail(field, f"an integer in 0..{hi}", x)
+        return x
+
+    def str(self, x: Any, field: str) -> str:
+        if not isinstance(x, str):
+            raise self.fail(field, "a string", x)
+        return x
+
+    def dtype(self, x: Any, field: str) -> torch.dtype:
+        dt = dtype_from_name(x) if isinstance(x, str) else None
+        if dt is None:
+            raise self.fail(field, "a supported dtype name", x)
+        return dt
+
+    def shape(self, x: Any, field: str) -> tuple[int, ...]:
+        return tuple(self.int(d, f"{field}[{i}]") for i, d in enumerate(self.list(x, field)))
+
+
+def decode_header(obj: Any, kind: Kind, src: int, payload_len: int) -> DataHeader | dict:
+    """Validate a parsed header of ``kind``; data headers become a `DataHeader`.
+
+    Every leaf must be a supported dtype, lie inside the payload, not overlap
+    another, and have ``prod(shape) * itemsize == nbytes``.
+    """
+    c = _Check(src)
+    if kind == Kind.DONE:
+        c.int(c.obj(obj, "header", {"frames"})["frames"], "header.frames")
+        return obj
+    if kind == Kind.ERROR:
+        c.obj(obj, "header", {"type", "message"})
+        c.str(obj["type"], "header.type"), c.str(obj["message"], "header.message")
+        return obj
+    parts, ranges = [], []
+    for i, p in enumerate(c.list(c.obj(obj, "header", {"parts"})["parts"], "header.parts")):
+        f = f"header.parts[{i}]"
+        c.obj(p, f, {"layout", "files", "counts", "frame_idx", "leaves", "json"})
+        layout = _decode_layout(p["layout"], c, f"{f}.layout")
+        files = tuple(c.str(s, f"{f}.files[]") for s in c.list(p["files"], f"{f}.files"))
+        counts = tuple(c.int(n, f"{f}.counts[]") for n in c.list(p["counts"], f"{f}.counts", len(files)))
+        if len(set(files)) != len(files) or 0 in counts:
+            raise c.fail(f"{f}.files", "distinct filenames with at least one frame each", files)
+        n = sum(counts)
+        specs = []
+        for j, (s, frame_shape, dt) in enumerate(
+            [(p["frame_idx"], (), torch.int64)]
+            + [(s, leaf.shape, leaf.dtype) for s, leaf in zip(c.list(p["leaves"], f"{f}.leaves", len(layout.leaves)), layout.leaves)]
+        ):
+            spec = _decode_spec(s, c, f"{f}.frame_idx" if j == 0 else f"{f}.leaves[{j - 1}]", payload_len)
+            if spec.dtype != dt or spec.shape != (n, *frame_shape):
+                raise c.fail(f"{f}.leaves[{j - 1}]" if j else f"{f}.frame_idx",
+                             f"{dtype_name(dt)}{[n, *frame_shape]}", f"{dtype_name(spec.dtype)}{list(spec.shape)}")
+            specs.append(spec)
+            ranges.append((spec.offset, spec.nbytes, f"{f}.leaves"))
+        values = c.list(p["json"], f"{f}.json", len(layout.nontensor))
+        for j, v in enumerate(values):
+            c.list(v, f"{f}.json[{j}]", n)
+        parts.append(PartSpec(layout, files, counts, specs[0], tuple(specs[1:]), tuple(values)))
+    end = 0
+    for offset, nbytes, field in sorted(ranges):
+        if nbytes and offset < end:
+            raise c.fail(field, "byte ranges that do not overlap", f"a range starting at {offset} before {end}")
+        end = max(end, offset + nbytes)
+    return DataHeader(tuple(parts))
+
+
+def _decode_spec(s: Any, c: _Check, field: str, payload_len: int) -> TensorSpec:
+    c.obj(s, field, {"dtype", "shape", "offset", "nbytes"})
+    dt, shape = c.dtype(s["dtype"], f"{field}.dtype"), c.shape(s["shape"], f"{field}.shape")
+    offset, nbytes = c.int(s["offset"], f"{field}.offset"), c.int(s["nbytes"], f"{field}.nbytes")
+    if math.prod(shape) * dt.itemsize != nbytes:
+        raise c.fail(f"{field}.nbytes", f"prod(shape) * itemsize = {math.prod(shape) * dt.itemsize}", nbytes)
+    if offset % ALIGN or offset + nbytes > payload_len:
+        raise c.fail(f"{field}.offset", f"a multiple of {ALIGN} with offset + nbytes <= {payload_len}", offset)
+    return TensorSpec(dt, shape, offset, nbytes)
+
+
+def _decode_layout(obj: Any, c: _Check, field: str) -> Layout:
+    c.obj(obj, field, {"kind", "cls", "leaves", "json"})
+    if obj["kind"] not in ("tensor", "tree"):
+        raise c.fail(f"{field}.kind", "'tensor' or 'tree'", obj["kind"])
+    if obj["cls"] is not None:
+        c.str(obj["cls"], f"{field}.cls")
+    for i, x in enumerate(c.list(obj["leaves"], f"{field}.leaves")):
+        f = f"{field}.leaves[{i}]"
+        c.obj(x, f, {"path", "dtype", "shape"})
+        [c.str(k, f"{f}.path") for k in c.list(x["path"], f"{f}.path")]
+        c.dtype(x["dtype"], f"{f}.dtype"), c.shape(x["shape"], f"{f}.shape")
+    for p in c.list(obj["json"], f"{field}.json"):
+        [c.str(k, f"{field}.json") for k in c.list(p, f"{field}.json")]
+    layout = Layout.from_json(obj)
+    if layout.kind == "tensor" and (len(layout.leaves) != 1 or layout.leaves[0].path or layout.nontensor):
+        raise c.fail(field, "one tensor leaf at the root for kind 'tensor'", obj)
+    return layout
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def pack(store: FrameStore) -> tuple[dict, torch.Tensor]:
+    """Lay a store out as a data header and one contiguous ``uint8`` payload.
+
+    1. plan: sort each layout group by (file, frame_idx);
+    2. place every leaf at an aligned offset;
+    3. copy each chunk's rows into place (a plain copy when they form one run).
+    """
+    plans = store.plan()
+    parts, offset, jobs = [], 0, []
+    for plan in plans:
+        n = plan.num_frames
+        specs = []
+        for j, (dt, shape) in enumerate([(torch.int64, ())] + [(x.dtype, x.shape) for x in plan.layout.leaves]):
+            nbytes = n * math.prod(shape) * dt.itemsize
+            specs.append({"dtype": dtype_name(dt), "shape": [n, *shape], "offset": offset, "nbytes": nbytes})
+            jobs.append((plan, j - 1, offset, nbytes))
+            offset = _aligned(offset + nbytes)
+        parts.append({
+            "layout": plan.layout.to_json(), "files": plan.files, "counts": plan.counts,
+            "frame_idx": specs[0], "leaves": specs[1:], "json": plan.json,
+        })
+    payload = torch.empty(offset, dtype=torch.uint8)
+    for plan, leaf, start, nbytes in jobs:
+        rows = payload[start : start + nbytes].view(plan.num_frames, nbytes // plan.num_frames)
+        if leaf < 0:
+            payload[start : start + nbytes].view(torch.int64).copy_(plan.frame_idx)
+            continue
+        for chunk, target in zip(plan.chunks, plan.targets, strict=True):
+            src = byte_rows(chunk.tensors[leaf])
+            if isinstance(target, int):
+                rows[target : target + src.shape[0]].copy_(src)
+            else:
+                rows.index_copy_(0, target, src)
+    return {"parts": parts}, payload
+
+
+def unpack(header: DataHeader, payload: torch.Tensor, rank: int) -> list[Part]:
+    """Rebuild the parts of a validated data message as views of ``payload``."""
+
+    def view(s: TensorSpec) -> torch.Tensor:
+        return payload[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
+
+    return [
+        Part(rank, p.layout, list(p.files), list(p.counts), view(p.frame_idx), [view(s) for s in p.leaves], list(p.json))
+        for p in header.parts
+    ]
