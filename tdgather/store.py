@@ -101,7 +101,7 @@ class FrameStore:
         fast: dict[tuple, Layout] = {}
         for name, entry in predictions.items():
             for fi, value in _pairs(name, entry):
-                if type(value) is torch.Tensor:
+                if type(value) is torch.Tensor and not value.is_nested:
                     key = (value.dtype, value.shape)
                     layout = fast.get(key)
                     if layout is None:

@@ -1,0 +1,268 @@
+"""Prediction generators, a pickle-based reference, and the per-rank world cases.
+
+The functions named ``case_*`` run inside every rank of a local gloo world
+(`tdgather.launch.run_local_world`); they compare `tdgather.gather` with what
+`torch.distributed.gather_object` gives for the same inputs, and assert on rank 0.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+
+import torch
+import torch.distributed as dist
+from tensordict import NonTensorStack, TensorDict, is_non_tensor, is_tensorclass, tensorclass
+from tensordict.base import TensorDictBase
+
+import tdgather
+
+
+@tensorclass
+class DepthMask:
+    depth_map: torch.Tensor
+    mask: torch.Tensor
+
+
+MIXED = {
+    "bf16.mp4": (torch.bfloat16, (2, 3)),
+    "u8.mp4": (torch.uint8, (4,)),
+    "f8.mp4": (torch.float8_e4m3fn, (3,)),
+    "f8b.mp4": (torch.float8_e5m2, (2, 2)),
+    "bool.mp4": (torch.bool, (5,)),
+    "f64.mp4": (torch.float64, ()),
+    "i16.mp4": (torch.int16, (0, 3)),
+    "f16.mp4": (torch.float16, (1,)),
+    "i64.mp4": (torch.int64, (2,)),
+}
+
+
+def value(name: str, idx: int, shape=(3,), dtype=torch.float32) -> torch.Tensor:
+    """A deterministic frame for (name, idx): equal on every rank that makes it."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{idx}".encode()))
+    x = torch.randn(shape, generator=g) * 50
+    if dtype == torch.bool:
+        return x > 0
+    if not dtype.is_floating_point:
+        return x.abs().to(torch.int64).to(dtype)
+    return x.to(dtype)
+
+
+def predictions(scenario: str, rank: int, world: int) -> dict:
+    """The ``{filename: ...}`` dict rank ``rank`` holds in a scenario."""
+    p: dict = {}
+    if scenario == "uneven":
+        for i in range(7):
+            n = (i * 5 + rank * 3) % 6 if i % world == rank else 0
+            if n:
+                p[f"clip_{i:04d}.mp4"] = [(j, value(f"clip_{i:04d}.mp4", j)) for j in reversed(range(n))]
+        p[f"single_{rank}.jpg"] = (rank, value(f"single_{rank}.jpg", rank, (2, 2)))
+    elif scenario == "zero_rank":
+        if rank != 1:
+            p = {f"v{rank}_{i}": [(j, value(f"v{rank}_{i}", j)) for j in range(rank + i + 1)] for i in range(3)}
+    elif scenario == "all_empty":
+        pass
+    elif scenario == "split":  # DistributedSampler-style striding of one long video
+        p["long.mp4"] = [(j, value("long.mp4", j, (4, 4))) for j in range(rank, 40, world)][::-1]
+        p[f"own_{rank}.mp4"] = (0, value(f"own_{rank}.mp4", 0, (4, 4)))
+    elif scenario == "dup_identical":  # the last rank repeats the first frames, as sampler padding does
+        p["pad.mp4"] = [(j, value("pad.mp4", j)) for j in range(rank, 10, world)]
+        if rank == world - 1:
+            p["pad.mp4"] += [(j, value("pad.mp4", j)) for j in (0, 1)]
+    elif scenario == "mixed":
+        for k, (name, (dt, shape)) in enumerate(MIXED.items()):
+            if k % world == rank:
+                p[name] = [(j, value(name, j, shape, dt)) for j in range(3)]
+        t = value("strided.mp4", rank, (3, 5)).t()  # non-contiguous
+        p["strided.mp4"] = (rank, t)
+    elif scenario == "nested":
+        p["nest.mp4"] = [
+            (j, {"depth": value("d", j, (1, 2, 2)), "extra": {"score": value("s", j, ())}, "label": f"l{j}", "n": j})
+            for j in range(rank, 9, world)
+        ]
+        p[f"tc_{rank % 2}.mp4"] = [
+            (j + 10 * rank, DepthMask(depth_map=value("tc", j, (2,)), mask=value("m", j, (2,), torch.bool), batch_size=[]))
+            for j in range(2)
+        ]
+    elif scenario == "dup_conflict":
+        p["x.mp4"] = [(j, value("x.mp4", j)) for j in range(3)]
+        if rank == 1:
+            p["x.mp4"][1] = (1, value("x.mp4", 1) + 1)
+    elif scenario == "shape_mismatch":
+        p["x.mp4"] = [(rank, value("x.mp4", rank, (3,) if rank == 0 else (4,)))]
+    elif scenario == "unsupported":
+        p["x.mp4"] = (0, torch.zeros(2, dtype=torch.complex128) if rank == 1 else torch.zeros(2))
+    else:
+        raise ValueError(scenario)
+    return p
+
+
+def _pairs(entry):
+    return [entry] if isinstance(entry, tuple) and not isinstance(entry[0], tuple) else list(entry)
+
+
+def reference(per_rank: list[dict]) -> dict[str, list]:
+    """What the result must be, from `gather_object` output: sorted, identical duplicates once."""
+    out: dict[str, dict[int, object]] = {}
+    for p in per_rank:
+        for name, entry in p.items():
+            for idx, v in _pairs(entry):
+                out.setdefault(name, {}).setdefault(int(idx), v)
+    return {name: sorted(d.items()) for name, d in sorted(out.items())}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _unwrap(v):
+    if is_non_tensor(v):
+        return v.tolist() if isinstance(v, NonTensorStack) else v.data
+    return v
+
+
+def assert_same_value(got, want, where: str) -> None:
+    """Bit-exact equality of tensors, TensorDicts, tensorclasses, dicts and JSON values."""
+    if is_tensorclass(want):
+        assert type(got) is type(want), f"{where}: {type(got)} is not {type(want)}"
+        got, want = got._tensordict, want._tensordict
+    got, want = _unwrap(got), _unwrap(want)
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), where
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+        assert torch.equal(bits(got), bits(want)), f"{where}: values differ"
+        assert got.device.type == "cpu", where
+    elif isinstance(want, dict | TensorDictBase):
+        assert sorted(got.keys()) == sorted(want.keys()), f"{where}: keys {sorted(got.keys())}"
+        for k in want.keys():
+            assert_same_value(got.get(k) if isinstance(got, TensorDictBase) else got[k],
+                              want.get(k) if isinstance(want, TensorDictBase) else want[k], f"{where}.{k}")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def assert_matches(result: dict, expected: dict[str, list]) -> None:
+    assert list(result) == list(expected), f"filenames {list(result)} != {list(expected)}"
+    for name, items in expected.items():
+        f = result[name]
+        assert f.frame_idx.dtype == torch.int64
+        assert f.frame_idx.tolist() == [i for i, _ in items], name
+        for row, (idx, v) in enumerate(items):
+            assert_same_value(f.frames[row], v, f"{name}[{idx}]")
+
+
+def _portable(obj, back: bool = False):
+    """Tensors as (dtype, shape, raw bytes): gather_object cannot unpickle float8 storages."""
+    if back and isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__tensor__":
+        _, dt, shape, raw = obj
+        return raw.view(getattr(torch, dt)).reshape(shape)
+    if not back and isinstance(obj, torch.Tensor):
+        return ("__tensor__", str(obj.dtype).removeprefix("torch."), tuple(obj.shape), bits(obj).clone())
+    if back and isinstance(obj, tuple) and obj and obj[0] == "__tc__":
+        return DepthMask(**_portable(obj[1], True), batch_size=[])
+    if isinstance(obj, dict):
+        return {k: _portable(v, back) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_portable(v, back) for v in obj)
+    if hasattr(obj, "_tensordict"):
+        fields = {k: _portable(getattr(obj, k), back) for k in obj._tensordict.keys()}
+        return ("__tc__", fields)
+    return obj
+
+
+def _gather_reference(p: dict) -> list | None:
+    """gather_object of the same predictions (tensors carried as raw bytes, rebuilt bit-exactly)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    objs = [None] * world if rank == 0 else None
+    dist.gather_object(_portable(p), objs, dst=0)
+    return [_portable(o, back=True) for o in objs] if objs is not None else None
+
+
+def case_compare(scenario: str) -> dict | None:
+    """Gather a scenario both ways; on rank 0 assert the results are the same."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    p = predictions(scenario, rank, world)
+    objs = _gather_reference(p)
+    result = tdgather.gather(p, timeout=60)
+    if rank != 0:
+        assert result is None
+        return None
+    expected = reference(objs)
+    assert_matches(result, expected)
+    sent = sum(len(_pairs(e)) for o in objs for e in o.values())
+    return {"frames": result.stats.frames, "sent": sent, "duplicates": result.stats.duplicates_dropped,
+            "per_rank": {str(k): v for k, v in result.stats.frames_per_rank.items()}}
+
+
+def case_error(scenario: str) -> dict:
+    """Gather a scenario that must fail; return each rank's error type and message."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        tdgather.gather(predictions(scenario, rank, world), timeout=60)
+    except tdgather.TdgatherError as e:
+        return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
+    return {"type": None, "message": "", "rank": None}
+
+
+def case_store(n_batches: int) -> dict | None:
+    """A FrameStore filled with add() batches of nested outputs, vs gather_object of the same frames."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store, plain = tdgather.FrameStore(), {}
+    for b in range(n_batches):
+        names = [f"vid_{(b + k) % 3}.mp4" for k in range(4)]
+        idx = torch.tensor([rank * 1000 + b * 4 + k for k in range(4)])
+        depth = torch.stack([value(n, int(i), (1, 3)) for n, i in zip(names, idx)])
+        mask = depth[:, 0] > 0
+        store.add(names, idx, TensorDict({"depth": depth, "mask": mask}, batch_size=[4]))
+        for k, (n, i) in enumerate(zip(names, idx.tolist())):
+            plain.setdefault(n, []).append((i, {"depth": depth[k], "mask": mask[k]}))
+    objs = _gather_reference(plain)
+    result = tdgather.gather(store, timeout=60)
+    if rank == 0:
+        assert_matches(result, reference(objs))
+        return {"frames": result.stats.frames}
+    return None
+
+
+def case_no_unpickle(scenario: str) -> dict | None:
+    """Rank 0 gathers with every unpickling entry point made to fail, and audits find_class."""
+    import pickle
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    p = predictions(scenario, rank, world)
+    objs = _gather_reference(p)
+    if rank != 0:
+        assert tdgather.gather(p, timeout=60) is None
+        return None
+    events: list[str] = []
+    state = {"on": False}
+
+    def audit(event, args):
+        if state["on"] and event.startswith("pickle."):
+            events.append(event)
+
+    sys.addaudithook(audit)
+
+    def forbidden(*a, **k):
+        raise AssertionError("unpickling during tdgather.gather")
+
+    class NoUnpickler:
+        def __init__(self, *a, **k):
+            forbidden()
+
+    saved = (pickle.loads, pickle.load, pickle.Unpickler)
+    pickle.loads, pickle.load, pickle.Unpickler = forbidden, forbidden, NoUnpickler
+    state["on"] = True
+    try:
+        result = tdgather.gather(p, timeout=60)
+    finally:
+        state["on"] = False
+        pickle.loads, pickle.load, pickle.Unpickler = saved
+    assert events == [], events
+    assert_matches(result, reference(objs))
+    # the audit hook does see real unpickling, so the empty list above means something
+    state["on"] = True
+    pickle.loads(pickle.dumps(torch.zeros(1)))
+    state["on"] = False
+    assert "pickle.find_class" in events
+    return {"frames": result.stats.frames}

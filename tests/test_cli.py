@@ -1,0 +1,42 @@
+"""End to end: `tdgather demo` and `tdgather inspect`."""
+
+import subprocess
+import sys
+
+import torch
+
+import tdgather
+from tdgather.cli import main
+from tdgather.demo import DemoNet, video_frames
+
+
+def test_demo_end_to_end(tmp_path, capsys):
+    out = tmp_path / "demo"
+    args = ["demo", "--world-size", "3", "--videos", "4", "--max-frames", "6", "--size", "16", "--out", str(out)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "frames" in text and "written to" in text and str(out) in text
+    ds = tdgather.open(out)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 7, (4,), generator=g).tolist()
+    assert [ds.num_frames(n) for n in sorted(ds)] == lengths
+    assert f"frames              {sum(lengths)} in 4 filenames" in text
+    torch.manual_seed(0)
+    model = DemoNet().eval()
+    for v, n in enumerate(lengths):
+        f = ds[f"video_{v:04d}.mp4"]
+        assert f.frame_idx.tolist() == list(range(n))
+        with torch.inference_mode():
+            want = model(video_frames(0, v, list(range(n)), 16))
+        torch.testing.assert_close(f.frames["depth"], want["depth"], atol=1e-5, rtol=1e-4)
+        assert f.frames["seg"].dtype == torch.uint8 and f.frames["seg"].shape == (n, 8, 8)
+
+
+def test_inspect(tmp_path):
+    tdgather.save(tdgather.gather({"a.mp4": [(0, torch.zeros(2, 3)), (1, torch.ones(2, 3))]}), tmp_path / "ds")
+    run = subprocess.run([sys.executable, "-m", "tdgather", "inspect", str(tmp_path / "ds")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "'a.mp4'" in run.stdout and "float32[2, 3]" in run.stdout
+    assert "total: 1 filenames, 2 frames, 48 B in 1 shard(s)" in run.stdout
+    assert main(["inspect", str(tmp_path / "missing")]) == 1

@@ -1,0 +1,238 @@
+"""Pure tests of the frame store and the wire codec: pack -> validate -> unpack."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tdgather
+from tdgather._dtypes import DTYPES
+from tdgather.errors import ProtocolError, ShapeMismatchError, UnsupportedValueError
+from tdgather.merge import merge
+from tdgather.wire import ALIGN, Kind, Limits, Prelude, decode_header, decode_json, encode_json, pack, unpack
+
+from .cases import bits, value
+
+
+def roundtrip(store: tdgather.FrameStore, rank: int = 0):
+    header, payload = pack(store)
+    raw = encode_json(header)
+    parsed = decode_json(raw, rank, Limits())
+    return unpack(decode_header(parsed, Kind.DATA, rank, payload.numel()), payload, rank), header, payload
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 0, 2), (2, 3, 4)])
+def test_every_dtype_and_shape_roundtrips_bit_exactly(dtype, shape):
+    frames = {f"f{j % 2}": [(j, value(f"f{j % 2}", j, shape, dtype)) for j in (j, j + 2)] for j in range(2)}
+    if dtype.is_floating_point and shape == (3,):  # NaN and -0.0 must survive as bits
+        frames["nan"] = (0, torch.tensor([float("nan"), -0.0, float("inf")]).to(dtype))
+    store = tdgather.FrameStore()
+    store.update(frames)
+    parts, _, payload = roundtrip(store)
+    merged, dropped = merge(parts)
+    assert dropped == 0
+    for name, pairs in frames.items():
+        pairs = [pairs] if isinstance(pairs, tuple) else pairs
+        got = merged[name]
+        assert got.frame_idx.tolist() == sorted(i for i, _ in pairs)
+        for row, (_, v) in enumerate(sorted(pairs, key=lambda p: p[0])):
+            assert got.frames[row].dtype == dtype and got.frames[row].shape == v.shape
+            assert torch.equal(bits(got.frames[row]), bits(v))
+    for part in parts:  # unpacked as views of the one payload, no copies
+        for t in part.leaves:
+            assert t.untyped_storage().data_ptr() == payload.untyped_storage().data_ptr()
+
+
+def test_non_contiguous_and_batched_input():
+    x = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    store = tdgather.FrameStore()
+    src = x[:, ::2]
+    assert not src.is_contiguous()
+    store.add(["a", "b", "a", "b"], torch.tensor([3, 1, 0, 0]), src)
+    merged, _ = merge(roundtrip(store)[0])
+    assert merged["a"].frame_idx.tolist() == [0, 3]
+    assert torch.equal(merged["a"].frames, src[[2, 0]])
+    assert torch.equal(merged["b"].frames, src[[3, 1]])
+
+
+def test_padding_is_alignment_only():
+    store = tdgather.FrameStore()
+    store.update({f"f{i}": [(j, torch.zeros(16)) for j in range(100)] for i in range(4)})
+    header, payload = pack(store)
+    data = 4 * 100 * (16 * 4 + 8)
+    assert data <= payload.numel() < data + 2 * ALIGN * len(header["parts"])
+
+
+def test_store_forms_and_counts():
+    store = tdgather.FrameStore()
+    store.update({"one.jpg": (7, torch.ones(2)), "many.mp4": [(1, torch.ones(2)), (0, torch.zeros(2))]})
+    store.add("many.mp4", [2, 3], torch.full((2, 2), 5.0))
+    assert len(store) == 5 and store.nbytes == 5 * 8
+    merged, _ = merge(roundtrip(store)[0])
+    assert merged["many.mp4"].frame_idx.tolist() == [0, 1, 2, 3]
+    assert merged["one.jpg"].frames.tolist() == [[1.0, 1.0]]
+
+
+def test_store_rejects_bad_input_with_clear_messages():
+    store = tdgather.FrameStore()
+    with pytest.raises(UnsupportedValueError, match=r"filename 'x': expected a dense tensor.*got dtype torch.complex128"):
+        store.update({"x": (0, torch.zeros(2, dtype=torch.complex128))})
+    with pytest.raises(UnsupportedValueError, match="got layout torch.jagged"):
+        store.update({"x": (0, torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged))})
+    with pytest.raises(UnsupportedValueError, match="sparse"):
+        store.update({"x": (0, torch.zeros(2, 2).to_sparse())})
+    with warnings.catch_warnings():  # quantized tensors are deprecated in recent torch
+        warnings.simplefilter("ignore")
+        quantized = torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.qint8)
+    with pytest.raises(UnsupportedValueError, match="a quantized tensor"):
+        store.update({"x": (0, quantized)})
+    with pytest.raises(UnsupportedValueError, match="meta tensor"):
+        store.update({"x": (0, torch.zeros(2, device="meta"))})
+    with pytest.raises(UnsupportedValueError, match=r"key 'label'.*got set"):
+        store.update({"x": (0, {"t": torch.zeros(1), "label": {1, 2}})})
+    with pytest.raises(UnsupportedValueError, match=r"key 'score'.*got float nan"):
+        store.update({"x": (0, {"t": torch.zeros(1), "score": float("nan")})})
+    with pytest.raises(ValueError, match=r"expected one filename per frame \(2\), got 3"):
+        store.add(["a", "b", "c"], [0, 1], torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="leading batch dimension of 3"):
+        store.add(["a", "b", "c"], [0, 1, 2], torch.zeros(2, 1))
+    store.update({"s": (0, torch.zeros(3))})
+    with pytest.raises(ShapeMismatchError, match=r"filename 's'.*float32\[3\] and float32\[4\]"):
+        store.update({"s": (1, torch.zeros(4))})
+    assert len(store) == 1  # nothing half-added
+
+
+def test_prelude_validation():
+    good = Prelude(Kind.DATA, 0, 10, 100, 1)
+    assert Prelude.decode(good.encode(), 1, 0, Limits()) == good
+    cases = {
+        "magic": (0, 0), "version": (1, 99), "kind": (2, 7), "seq": (3, 5), "header_len": (4, -1),
+        "payload_len": (5, 1 << 50), "src": (6, 3),
+    }
+    for field, (i, v) in cases.items():
+        t = good.encode()
+        t[i] = v
+        with pytest.raises(ProtocolError, match=rf"from rank 1 in prelude\.{field}: expected"):
+            Prelude.decode(t, 1, 0, Limits(max_payload_bytes=1 << 40))
+    done_with_payload = Prelude(Kind.DONE, 0, 10, 5, 1).encode()
+    with pytest.raises(ProtocolError, match="0 for a done or error message"):
+        Prelude.decode(done_with_payload, 1, 0, Limits())
+
+
+@pytest.mark.parametrize(
+    "raw, problem",
+    [
+        (b"\xff\xfe", "invalid bytes"),
+        (b'{"parts": NaN}', "NaN is not JSON"),
+        (b'{"a": 1, "a": 2}', "duplicate key 'a'"),
+        (b"[" * 100 + b"]" * 100, "nesting deeper"),
+        (b"[" * 100000, "nesting deeper"),
+    ],
+)
+def test_header_json_is_strict(raw, problem):
+    with pytest.raises(ProtocolError, match=problem):
+        decode_json(raw, 2, Limits())
+
+
+def _valid_header():
+    store = tdgather.FrameStore()
+    store.update({"a": [(0, torch.zeros(2, 3)), (1, torch.ones(2, 3))], "b": (0, torch.ones(2, 3))})
+    header, payload = pack(store)
+    return json.loads(encode_json(header)), payload.numel()
+
+
+def test_header_schema_checks_ranges_overlaps_and_sizes():
+    header, n = _valid_header()
+    assert decode_header(header, Kind.DATA, 1, n).num_frames == 3
+    bad = json.loads(json.dumps(header))
+    bad["parts"][0]["leaves"][0]["offset"] = n  # outside the payload
+    with pytest.raises(ProtocolError, match=r"leaves\[0\].offset: expected a multiple of 64 with offset \+ nbytes"):
+        decode_header(bad, Kind.DATA, 1, n)
+    bad = json.loads(json.dumps(header))
+    bad["parts"][0]["leaves"][0]["offset"] = 0  # overlaps frame_idx
+    with pytest.raises(ProtocolError, match="byte ranges that do not overlap"):
+        decode_header(bad, Kind.DATA, 1, n)
+    bad = json.loads(json.dumps(header))
+    bad["parts"][0]["leaves"][0]["nbytes"] += 4
+    with pytest.raises(ProtocolError, match=r"nbytes: expected prod\(shape\) \* itemsize = 72"):
+        decode_header(bad, Kind.DATA, 1, n)
+    bad = json.loads(json.dumps(header))
+    bad["parts"][0]["leaves"][0]["dtype"] = "complex128"
+    with pytest.raises(ProtocolError, match="a supported dtype name"):
+        decode_header(bad, Kind.DATA, 1, n)
+    bad = json.loads(json.dumps(header))
+    bad["parts"][0]["counts"] = [1, 1]
+    with pytest.raises(ProtocolError, match=r"frame_idx: expected int64\[2\]"):
+        decode_header(bad, Kind.DATA, 1, n)
+    bad = json.loads(json.dumps(header))
+    bad["parts"][0]["files"] = ["a", "a"]
+    with pytest.raises(ProtocolError, match="distinct filenames"):
+        decode_header(bad, Kind.DATA, 1, n)
+    bad = json.loads(json.dumps(header))
+    bad["parts"][0]["extra"] = 1
+    with pytest.raises(ProtocolError, match=r"header.parts\[0\]: expected an object with keys"):
+        decode_header(bad, Kind.DATA, 1, n)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_header_parser_never_crashes_on_random_bytes(raw):
+    try:
+        obj = decode_json(raw, 3, Limits())
+        decode_header(obj, Kind.DATA, 3, 1024)
+    except ProtocolError as e:
+        assert e.rank == 3
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_header_parser_on_mutated_valid_headers(data):
+    header, n = _valid_header()
+    path = []
+    node = header
+    while isinstance(node, dict | list) and node and data.draw(st.booleans()):
+        key = data.draw(st.sampled_from(sorted(node) if isinstance(node, dict) else list(range(len(node)))))
+        path.append(key)
+        node = node[key]
+    if not path:
+        return
+    parent = header
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = data.draw(_json_values)
+    try:
+        parsed = decode_header(header, Kind.DATA, 2, n)
+    except ProtocolError as e:
+        assert e.rank == 2
+        return
+    # whatever still validates must unpack inside the payload
+    unpack(parsed, torch.zeros(n, dtype=torch.uint8), 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    names=st.lists(st.text(min_size=0, max_size=30), min_size=1, max_size=6, unique=True),
+    dtype=st.sampled_from(list(DTYPES.values())),
+    shape=st.lists(st.integers(0, 3), max_size=3),
+    counts=st.lists(st.integers(1, 4), min_size=6, max_size=6),
+)
+def test_roundtrip_property(names, dtype, shape, counts):
+    frames = {n: [(j * 3, value(n, j, tuple(shape), dtype)) for j in range(c)] for n, c in zip(names, counts)}
+    store = tdgather.FrameStore()
+    store.update(frames)
+    merged, _ = merge(roundtrip(store)[0])
+    assert list(merged) == sorted(names)
+    for n, pairs in frames.items():
+        assert merged[n].frame_idx.tolist() == [i for i, _ in pairs]
+        assert torch.equal(bits(merged[n].frames), bits(torch.stack([v for _, v in pairs])))

@@ -1,0 +1,117 @@
+"""The saved dataset: plain safetensors shards plus an index, atomic, read back lazily."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import tdgather
+from tdgather.errors import OutputError
+from tdgather.sink import INDEX_NAME
+
+from .cases import MIXED, DepthMask, assert_same_value, bits, value
+
+HOSTILE = ["..", "../../etc/passwd", "/abs/path.mp4", "nul\x00byte", "__metadata__", "x" * 5000, "ünïcödé 🎞", ""]
+
+
+def gathered():
+    p = {name: [(j, value(name, j, shape, dt)) for j in range(3)] for name, (dt, shape) in MIXED.items()}
+    p["nested.mp4"] = [(j, {"depth": value("d", j, (1, 2)), "meta": {"label": f"l{j}", "ok": j % 2 == 0}}) for j in range(4)]
+    p["tc.mp4"] = [(j, DepthMask(depth_map=value("t", j, (2,)), mask=value("m", j, (2,), torch.bool), batch_size=[]))
+                   for j in (5, 2)]
+    for name in HOSTILE:
+        p[name] = (1, value(name, 1, (2,)))
+    return tdgather.gather(p), p
+
+
+def assert_dataset_equals(ds, result):
+    assert sorted(ds) == sorted(result)
+    for name, f in result.items():
+        got = ds[name]
+        assert torch.equal(got.frame_idx, f.frame_idx)
+        assert_same_value(got.frames, f.frames, name)
+
+
+@pytest.mark.parametrize("max_shard_bytes", [1 << 30, 64])
+def test_save_and_open_roundtrip(tmp_path, max_shard_bytes):
+    result, _ = gathered()
+    out = tdgather.save(result, tmp_path / "ds", max_shard_bytes=max_shard_bytes)
+    files = sorted(os.listdir(out))
+    assert INDEX_NAME in files and all(f == INDEX_NAME or f.startswith("shard-") for f in files)
+    assert (len(files) > 2) == (max_shard_bytes == 64)
+    ds = tdgather.open(out)
+    assert_dataset_equals(ds, result)
+    assert ds.metadata["total_frames"] == result.stats.frames
+    assert isinstance(ds["tc.mp4"].frames, DepthMask)
+    assert ds["nested.mp4"].frames["meta", "label"] == ["l0", "l1", "l2", "l3"]
+    assert not list(tmp_path.glob("**/.*tmp*")) and not (tmp_path / "ds.partial").exists()
+
+
+def test_shards_read_with_plain_safetensors(tmp_path):
+    result, _ = gathered()
+    out = tdgather.save(result, tmp_path / "ds")
+    index = json.loads((out / INDEX_NAME).read_text())
+    for name in ["bf16.mp4", "f8.mp4", "bool.mp4", "../../etc/passwd", "__metadata__"]:
+        entry = index["files"][name]
+        lo, hi = entry["start"], entry["start"] + entry["frames"]
+        with safe_open(out / entry["shard"], framework="pt") as f:
+            assert f.metadata()["format"] == "tdgather"
+            idx = f.get_slice(f"{entry['group']}.frame_idx")[lo:hi]
+            frames = f.get_slice(f"{entry['group']}.leaf0")[lo:hi]
+        assert torch.equal(idx, result[name].frame_idx)
+        assert frames.dtype == result[name].frames.dtype
+        assert torch.equal(bits(frames), bits(result[name].frames))
+
+
+def test_empty_dataset(tmp_path):
+    out = tdgather.save(tdgather.gather({}), tmp_path / "empty")
+    ds = tdgather.open(out)
+    assert len(ds) == 0 and ds.metadata["total_frames"] == 0
+    assert os.listdir(out) == [INDEX_NAME]
+
+
+def test_existing_output_is_refused_unless_overwrite(tmp_path):
+    result, _ = gathered()
+    out = tdgather.save(result, tmp_path / "ds")
+    with pytest.raises(OutputError, match="exists and is not empty; pass overwrite=True"):
+        tdgather.save(result, out)
+    small = tdgather.gather({"only.mp4": (0, torch.ones(1))})
+    tdgather.save(small, out, overwrite=True)
+    assert list(tdgather.open(out)) == ["only.mp4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+def test_bad_output_paths_are_refused_before_writing(tmp_path):
+    result = tdgather.gather({"a": (0, torch.ones(1))})
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match="expected a directory, got a file"):
+        tdgather.save(result, tmp_path / "file")
+    with pytest.raises(OutputError, match="cannot create its parent directory"):
+        tdgather.save(result, tmp_path / "file" / "sub" / "ds")
+    (tmp_path / "ds.partial").mkdir()
+    with pytest.raises(OutputError, match="left by an interrupted run"):
+        tdgather.save(result, tmp_path / "ds")
+    with pytest.raises(OutputError, match="not a complete tdgather dataset: no tdgather.index.json; .*interrupted"):
+        tdgather.open(tmp_path / "ds")
+    tdgather.save(result, tmp_path / "ds", overwrite=True)
+    assert not (tmp_path / "ds.partial").exists() and list(tdgather.open(tmp_path / "ds")) == ["a"]
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+def test_reading_one_filename_reads_only_its_rows(tmp_path):
+    p = {f"v{i:03d}": [(j, torch.full((25_000,), float(i))) for j in range(5)] for i in range(200)}  # 100 MB
+    out = tdgather.save(tdgather.gather(p), tmp_path / "ds")
+    del p
+    ds = tdgather.open(out)
+    before = _resident_bytes()
+    got = ds["v117"]
+    grown = _resident_bytes() - before
+    assert got.frames.shape == (5, 25_000) and bool((got.frames == 117).all())
+    assert grown < 20_000_000, f"reading 0.5 MB of a 100 MB shard made {grown} bytes resident"

@@ -1,0 +1,113 @@
+"""The message sequence on a recording fake process group, and gloo group selection."""
+
+from collections import deque
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tdgather
+from tdgather import transport
+from tdgather.errors import PeerError
+from tdgather.gather import _receive_stream, _send
+from tdgather.transport import Channel
+from tdgather.wire import MAGIC, Kind, Prelude, encode_json
+
+
+class FakeWire:
+    """Records isend tensors and serves irecv from per-peer queues."""
+
+    class Work:
+        def wait(self, timeout=None):
+            return True
+
+    def __init__(self, rank):
+        self.rank = rank
+        self.sent: list[tuple[int, torch.Tensor]] = []
+        self.inbox: dict[int, deque] = {}
+
+    def isend(self, t, group=None, group_dst=None):
+        self.sent.append((group_dst, t.clone()))
+        return self.Work()
+
+    def irecv(self, t, group=None, group_src=None):
+        data = self.inbox[group_src].popleft()
+        assert data.dtype == t.dtype and data.shape == t.shape, "receive posted with the wrong size"
+        t.copy_(data)
+        return self.Work()
+
+
+@pytest.fixture
+def wire(monkeypatch):
+    fake = FakeWire(rank=1)
+    monkeypatch.setattr(dist, "isend", fake.isend)
+    monkeypatch.setattr(dist, "irecv", fake.irecv)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: fake.rank)
+    return fake
+
+
+def answer(kind, header, src=0):
+    raw = encode_json(header)
+    return [Prelude(kind, 0, len(raw), 0, src).encode(), torch.frombuffer(bytearray(raw), dtype=torch.uint8)]
+
+
+def test_sender_sequence_and_receiver_replay(wire):
+    preds = {"a.mp4": [(1, torch.ones(2, 2)), (0, torch.zeros(2, 2))], "b.mp4": (4, torch.full((2, 2), 3.0))}
+    wire.inbox[0] = deque(answer(Kind.DONE, {"frames": 3}))
+    _send(preds, Channel(None, 0, timedelta(seconds=5)))
+    dsts, tensors = zip(*wire.sent)
+    assert set(dsts) == {0}
+    # 1. data prelude, 2. header, 3. payload, 4. done prelude, 5. done header
+    assert len(tensors) == 5
+    p0, p3 = tensors[0].tolist(), tensors[3].tolist()
+    assert p0[:4] == [MAGIC, 1, Kind.DATA, 0] and p0[4] == tensors[1].numel() and p0[5] == tensors[2].numel()
+    assert p3[:4] == [MAGIC, 1, Kind.DONE, 1] and p3[5] == 0 and p3[6] == 1
+    assert bytes(tensors[4].tolist()) == b'{"frames":3}'
+    # replay the stream into rank 0's receiver
+    wire.rank = 0
+    wire.inbox[1] = deque(tensors)
+    parts = _receive_stream(Channel(None, 1, timedelta(seconds=5)))
+    assert [p.files for p in parts] == [["a.mp4", "b.mp4"]] and parts[0].rank == 1
+    assert parts[0].frame_idx.tolist() == [0, 1, 4]
+
+
+def test_empty_sender_sends_done_only(wire):
+    wire.inbox[0] = deque(answer(Kind.DONE, {"frames": 0}))
+    _send({}, Channel(None, 0, timedelta(seconds=5)))
+    assert [t.tolist()[2] for _, t in wire.sent[::2]] == [Kind.DONE]
+
+
+def test_sender_raises_when_destination_answers_error(wire):
+    wire.inbox[0] = deque(answer(Kind.ERROR, {"type": "DuplicateFrameError", "message": "filename 'x' ..."}))
+    with pytest.raises(PeerError, match="rank 0 failed with DuplicateFrameError: filename 'x'"):
+        _send({"x": (0, torch.ones(1))}, Channel(None, 0, timedelta(seconds=5)))
+
+
+def test_bad_input_sends_error_message(wire):
+    wire.inbox[0] = deque(answer(Kind.ERROR, {"type": "PeerError", "message": "rank 1 failed"}))
+    with pytest.raises(tdgather.UnsupportedValueError, match="complex128"):
+        _send({"x": (0, torch.ones(1, dtype=torch.complex128))}, Channel(None, 0, timedelta(seconds=5)))
+    kinds = [t.tolist()[2] for _, t in wire.sent[::2]]
+    assert kinds == [Kind.ERROR]
+    assert b"UnsupportedValueError" in bytes(wire.sent[1][1].tolist())
+
+
+def test_side_gloo_group_is_made_once_for_nccl(monkeypatch):
+    made = []
+    monkeypatch.setattr(transport, "_SIDE_GROUPS", {})
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: [0, 1, 2])
+    monkeypatch.setattr(dist, "new_group", lambda ranks, backend, **kw: made.append((tuple(ranks), backend)) or "side")
+    for backend in ("nccl", "cpu:gloo,cuda:nccl"):
+        monkeypatch.setattr(dist, "get_backend", lambda g, b=backend: b)
+        assert transport.transport_group("user-group") == "side"
+    assert made == [((0, 1, 2), "gloo")]
+    monkeypatch.setattr(dist, "get_backend", lambda g: "gloo")
+    assert transport.transport_group("user-group") == "user-group"
+
+
+def test_timeouts():
+    assert transport.as_timeout(None) == transport.DEFAULT_TIMEOUT
+    assert transport.as_timeout(2.5) == timedelta(seconds=2.5)
+    with pytest.raises(ValueError, match="expected a positive number of seconds, got 0"):
+        transport.as_timeout(0)

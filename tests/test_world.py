@@ -1,0 +1,69 @@
+"""Real multi-process gloo worlds: tdgather.gather against torch.distributed.gather_object."""
+
+import pytest
+
+from tdgather.launch import run_local_world
+
+from . import cases
+
+pytestmark = pytest.mark.world
+WORLDS = [2, 3, 4]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("scenario", ["uneven", "zero_rank", "all_empty", "split", "mixed", "nested"])
+def test_gather_matches_gather_object(world, scenario):
+    out = run_local_world(cases.case_compare, world, scenario, timeout=120)
+    assert out[1:] == [None] * (world - 1)
+    summary = out[0]
+    assert summary["frames"] == summary["sent"]
+    assert sum(summary["per_rank"].values()) == summary["sent"]
+    assert len(summary["per_rank"]) == world
+    if scenario == "all_empty":
+        assert summary["frames"] == 0
+    if scenario == "zero_rank":
+        assert summary["per_rank"]["1"] == 0
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_identical_duplicates_are_kept_once_and_counted(world):
+    summary = run_local_world(cases.case_compare, world, "dup_identical", timeout=120)[0]
+    assert summary["duplicates"] == 2
+    assert summary["frames"] == summary["sent"] - 2
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_conflicting_duplicates_raise_on_every_rank(world):
+    out = run_local_world(cases.case_error, world, "dup_conflict", timeout=120)
+    assert out[0]["type"] == "DuplicateFrameError"
+    assert "filename 'x.mp4', frame_idx 1" in out[0]["message"]
+    assert "ranks 0 and 1" in out[0]["message"]
+    for r in out[1:]:
+        assert r["type"] == "PeerError" and r["rank"] == 0
+        assert "DuplicateFrameError" in r["message"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_shape_mismatch_names_filename_shapes_and_ranks(world):
+    out = run_local_world(cases.case_error, world, "shape_mismatch", timeout=120)
+    msg = out[0]["message"]
+    assert out[0]["type"] == "ShapeMismatchError"
+    assert "'x.mp4'" in msg and "float32[3]" in msg and "float32[4]" in msg
+    assert "rank 0" in msg and "rank 1" in msg
+
+
+def test_bad_input_on_a_sender_is_reported_by_rank_0():
+    out = run_local_world(cases.case_error, 3, "unsupported", timeout=120)
+    assert out[1]["type"] == "UnsupportedValueError" and "complex128" in out[1]["message"]
+    assert out[0]["type"] == "PeerError" and out[0]["rank"] == 1
+    assert "UnsupportedValueError" in out[0]["message"] and "complex128" in out[0]["message"]
+    assert out[2]["type"] == "PeerError" and out[2]["rank"] == 0
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_frame_store_batches(world):
+    assert run_local_world(cases.case_store, world, 5, timeout=120)[0]["frames"] == world * 20
+
+
+def test_rank_0_never_unpickles():
+    assert run_local_world(cases.case_no_unpickle, 3, "nested", timeout=120)[0]["frames"] > 0
