@@ -26,9 +26,13 @@ def _size(n: float) -> str:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    print(f"tdgather demo: {args.world_size} ranks (gloo, CPU), {args.videos} synthetic videos, writing {args.out}",
-          flush=True)
-    s = run_demo(args.world_size, args.videos, args.max_frames, args.size, args.batch, args.out, args.seed, args.timeout)
+    print(
+        f"tdgather demo: {args.world_size} ranks (gloo, CPU), {args.videos} synthetic videos, writing {args.out}",
+        flush=True,
+    )
+    s = run_demo(
+        args.world_size, args.videos, args.max_frames, args.size, args.batch, args.out, args.seed, args.timeout
+    )
     per_rank = ", ".join(f"{r}: {n}" for r, n in s["frames_per_rank"].items())
     rows = [
         ("frames", f"{s['frames']} in {s['filenames']} filenames (per rank {per_rank})"),
@@ -58,8 +62,10 @@ def _inspect(args: argparse.Namespace) -> int:
     if len(shown) < len(names):
         print(f"... {len(names) - len(shown)} more (--all shows every filename)")
     m = ds.metadata
-    print(f"total: {m['num_filenames']} filenames, {m['total_frames']} frames, {_size(m['total_bytes'])} "
-          f"in {len(ds.index['shards'])} shard(s)")
+    print(
+        f"total: {m['num_filenames']} filenames, {m['total_frames']} frames, {_size(m['total_bytes'])} "
+        f"in {len(ds.index['shards'])} shard(s)"
+    )
     return 0
 
 

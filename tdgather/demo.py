@@ -30,9 +30,12 @@ class DemoNet(nn.Module):
     def __init__(self, classes: int = 5) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 32, 3, padding=1),
+            nn.ReLU(),
         )
         self.depth = nn.Conv2d(32, 1, 1)
         self.seg = nn.Conv2d(32, classes, 1)

@@ -85,7 +85,9 @@ class Layout:
         return {
             "kind": self.kind,
             "cls": self.cls,
-            "leaves": [{"path": list(x.path), "dtype": dtype_name(x.dtype), "shape": list(x.shape)} for x in self.leaves],
+            "leaves": [
+                {"path": list(x.path), "dtype": dtype_name(x.dtype), "shape": list(x.shape)} for x in self.leaves
+            ],
             "json": [list(p) for p in self.nontensor],
         }
 
@@ -174,8 +176,7 @@ def flatten(value: Any, batch: int | None, where: str) -> tuple[Layout, list[tor
         value = value._tensordict
     if not isinstance(value, Mapping | TensorDictBase):
         raise UnsupportedValueError(
-            f"{where}: expected a tensor, or a dict / TensorDict / tensorclass of tensors, "
-            f"got {type(value).__name__}"
+            f"{where}: expected a tensor, or a dict / TensorDict / tensorclass of tensors, got {type(value).__name__}"
         )
     found: list[tuple[Path, Any, bool]] = []
     _walk(value, (), batch, where, found)

@@ -128,7 +128,9 @@ def _receive_stream(ch: Channel) -> list[Part]:
             raise PeerError(ch.peer, msg.header["type"], msg.header["message"])
         else:
             if msg.header["frames"] != frames:
-                raise ProtocolError(ch.peer, "done.frames", f"expected {frames} (frames received), got {msg.header['frames']}")
+                raise ProtocolError(
+                    ch.peer, "done.frames", f"expected {frames} (frames received), got {msg.header['frames']}"
+                )
             return parts
 
 
@@ -156,8 +158,11 @@ def _receive(predictions: Any, rank: int, channels: dict[int, Channel], start: f
     for peer, ch in channels.items():
         if isinstance(errors.get(peer), PeerLostError):
             continue  # its pair is unusable
-        answer = (Kind.DONE, {"frames": 0}) if failure is None else (
-            Kind.ERROR, {"type": type(failure).__name__, "message": str(failure)})
+        answer = (
+            (Kind.DONE, {"frames": 0})
+            if failure is None
+            else (Kind.ERROR, {"type": type(failure).__name__, "message": str(failure)})
+        )
         try:
             ch.wait(ch.send(*answer), "answering the peer")
         except PeerLostError as e:

@@ -94,7 +94,9 @@ def run_local_world(
                 else:
                     failures[rank] = record["error"]
             else:
-                failures[rank] = "killed after the world's timeout" if timed_out else f"exited with code {p.exitcode} and no result"
+                failures[rank] = (
+                    "killed after the world's timeout" if timed_out else f"exited with code {p.exitcode} and no result"
+                )
     if failures:
         head = f"local world of {world_size} failed" + (f" (timed out after {timeout:g} s)" if timed_out else "")
         detail = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(failures.items()))
@@ -126,7 +128,10 @@ def _rank_main(fn: Callable, rank: int, world_size: int, tmp: str, threads: int,
     record: dict[str, Any]
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"file://{tmp}/rendezvous",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
         try:

@@ -71,7 +71,9 @@ def _merge_one(name: str, layout: Layout, group: list[Piece]) -> tuple[Frames, i
             rows = byte_rows(t)
             same &= (rows[first] == rows[second]).all(dim=1)
         for values in json:
-            same &= torch.tensor([values[a] == values[b] for a, b in zip(first.tolist(), second.tolist())], dtype=torch.bool)
+            same &= torch.tensor(
+                [values[a] == values[b] for a, b in zip(first.tolist(), second.tolist(), strict=True)], dtype=torch.bool
+            )
         if not bool(same.all()):
             k = int((~same).nonzero()[0])
             a, b = int(first[k]), int(second[k])

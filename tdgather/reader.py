@@ -80,4 +80,3 @@ class Dataset(Mapping[str, Frames]):
 def open_dataset(path: str | os.PathLike) -> Dataset:
     """Open a saved dataset lazily; raises OutputError when it is incomplete."""
     return Dataset(path)
-

@@ -119,8 +119,12 @@ def save(
         index["shards"][shard_name] = {"frames": frames_in, "bytes": bytes_in, "groups": groups}
         total_frames += frames_in
         total_bytes += bytes_in
-    index["metadata"] = {**(metadata or {}), "total_frames": total_frames, "total_bytes": total_bytes,
-                         "num_filenames": len(index["files"])}
+    index["metadata"] = {
+        **(metadata or {}),
+        "total_frames": total_frames,
+        "total_bytes": total_bytes,
+        "num_filenames": len(index["files"]),
+    }
     _write_atomic(staging / INDEX_NAME, [json.dumps(index, ensure_ascii=False, allow_nan=False).encode()])
     _publish(staging, target, overwrite)
     return target
@@ -142,16 +146,25 @@ def _shard_tensors(shard: list, shard_name: str, files: dict) -> tuple[dict, lis
         for j, leaf in enumerate(layout.leaves):
             entries.append((f"{key}.leaf{j}", leaf.dtype, (row, *leaf.shape), [t[j] for _, _, _, t, _ in items]))
         for j in range(len(layout.nontensor)):
-            lines = [json.dumps(v, ensure_ascii=False, allow_nan=False).encode() + b"\n"
-                     for _, _, _, _, js in items for v in js[j]]
+            lines = [
+                json.dumps(v, ensure_ascii=False, allow_nan=False).encode() + b"\n"
+                for _, _, _, _, js in items
+                for v in js[j]
+            ]
             offsets = torch.tensor([0, *map(len, lines)], dtype=torch.int64).cumsum(0)
-            blob = torch.frombuffer(bytearray(b"".join(lines)), dtype=torch.uint8) if lines else torch.empty(0, dtype=torch.uint8)
+            blob = (
+                torch.frombuffer(bytearray(b"".join(lines)), dtype=torch.uint8)
+                if lines
+                else torch.empty(0, dtype=torch.uint8)
+            )
             entries.append((f"{key}.json{j}", torch.uint8, (blob.numel(),), [blob]))
             entries.append((f"{key}.json{j}.offsets", torch.int64, (row + 1,), [offsets]))
     return groups, entries
 
 
-def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, list]], metadata: dict[str, str]) -> None:
+def write_safetensors(
+    path: Path, entries: list[tuple[str, torch.dtype, tuple, list]], metadata: dict[str, str]
+) -> None:
     """Write a safetensors file atomically, streaming each tensor from its pieces (no staging copy).
 
     Args:
@@ -164,7 +177,11 @@ def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, l
     offset = 0
     for name, dtype, shape, _ in entries:
         nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-        header[name] = {"dtype": SAFETENSORS_CODE[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": SAFETENSORS_CODE[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, ensure_ascii=False, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)

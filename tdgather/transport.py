@@ -91,8 +91,10 @@ class Channel:
         """Post one message to the peer; return its pending works (keep them until waited)."""
         raw = encode_json(header)
         size = 0 if payload is None else payload.numel()
-        tensors = [Prelude(kind, self._seq_out, len(raw), size, self.rank).encode(),
-                   torch.frombuffer(bytearray(raw), dtype=torch.uint8)]
+        tensors = [
+            Prelude(kind, self._seq_out, len(raw), size, self.rank).encode(),
+            torch.frombuffer(bytearray(raw), dtype=torch.uint8),
+        ]
         if size:
             tensors.append(payload)
         self._seq_out += 1
@@ -128,8 +130,10 @@ class Channel:
         except RuntimeError as e:
             seconds = self.timeout.total_seconds()
             if "timed out" in str(e).lower():
-                cause = (f"no progress for {seconds:g} s on {what}; a timed-out gloo pair cannot be reused, "
-                         "so the rank is treated as lost. If it is only slow, pass a larger timeout=")
+                cause = (
+                    f"no progress for {seconds:g} s on {what}; a timed-out gloo pair cannot be reused, "
+                    "so the rank is treated as lost. If it is only slow, pass a larger timeout="
+                )
             else:
                 cause = f"its connection failed during {what} ({e}); the process probably died: check its log"
             raise PeerLostError(self.peer, "PeerLost", cause) from e

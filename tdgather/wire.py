@@ -106,7 +106,9 @@ class Prelude:
         check(got_seq == seq, "seq", f"message number {seq}", got_seq)
         check(got_src == src, "src", f"rank {src}", got_src)
         check(0 <= header_len <= limits.max_header_bytes, "header_len", f"0..{limits.max_header_bytes}", header_len)
-        check(0 <= payload_len <= limits.max_payload_bytes, "payload_len", f"0..{limits.max_payload_bytes}", payload_len)
+        check(
+            0 <= payload_len <= limits.max_payload_bytes, "payload_len", f"0..{limits.max_payload_bytes}", payload_len
+        )
         check(kind == Kind.DATA or payload_len == 0, "payload_len", "0 for a done or error message", payload_len)
         return Prelude(Kind(kind), got_seq, header_len, payload_len, got_src)
 
@@ -258,17 +260,20 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int) -> DataHeade
         if len(set(files)) != len(files) or 0 in counts:
             raise c.fail(f"{f}.files", "distinct filenames with at least one frame each", files)
         n = sum(counts)
+        leaf_specs = c.list(p["leaves"], f"{f}.leaves", len(layout.leaves))
+        wanted = [("frame_idx", p["frame_idx"], torch.int64, ())] + [
+            (f"leaves[{j}]", s, leaf.dtype, leaf.shape)
+            for j, (s, leaf) in enumerate(zip(leaf_specs, layout.leaves, strict=True))
+        ]
         specs = []
-        for j, (s, frame_shape, dt) in enumerate(
-            [(p["frame_idx"], (), torch.int64)]
-            + [(s, leaf.shape, leaf.dtype) for s, leaf in zip(c.list(p["leaves"], f"{f}.leaves", len(layout.leaves)), layout.leaves)]
-        ):
-            spec = _decode_spec(s, c, f"{f}.frame_idx" if j == 0 else f"{f}.leaves[{j - 1}]", payload_len)
+        for name, s, dt, frame_shape in wanted:
+            field = f"{f}.{name}"
+            spec = _decode_spec(s, c, field, payload_len)
             if spec.dtype != dt or spec.shape != (n, *frame_shape):
-                raise c.fail(f"{f}.leaves[{j - 1}]" if j else f"{f}.frame_idx",
-                             f"{dtype_name(dt)}{[n, *frame_shape]}", f"{dtype_name(spec.dtype)}{list(spec.shape)}")
+                got = f"{dtype_name(spec.dtype)}{list(spec.shape)}"
+                raise c.fail(field, f"{dtype_name(dt)}{[n, *frame_shape]}", got)
             specs.append(spec)
-            ranges.append((spec.offset, spec.nbytes, f"{f}.leaves"))
+            ranges.append((spec.offset, spec.nbytes, field))
         values = c.list(p["json"], f"{f}.json", len(layout.nontensor))
         for j, v in enumerate(values):
             c.list(v, f"{f}.json[{j}]", n)
@@ -332,10 +337,16 @@ def pack(store: FrameStore) -> tuple[dict, torch.Tensor]:
             specs.append({"dtype": dtype_name(dt), "shape": [n, *shape], "offset": offset, "nbytes": nbytes})
             jobs.append((plan, j - 1, offset, nbytes))
             offset = _aligned(offset + nbytes)
-        parts.append({
-            "layout": plan.layout.to_json(), "files": plan.files, "counts": plan.counts,
-            "frame_idx": specs[0], "leaves": specs[1:], "json": plan.json,
-        })
+        parts.append(
+            {
+                "layout": plan.layout.to_json(),
+                "files": plan.files,
+                "counts": plan.counts,
+                "frame_idx": specs[0],
+                "leaves": specs[1:],
+                "json": plan.json,
+            }
+        )
     payload = torch.empty(offset, dtype=torch.uint8)
     for plan, leaf, start, nbytes in jobs:
         rows = payload[start : start + nbytes].view(plan.num_frames, nbytes // plan.num_frames)
@@ -358,6 +369,8 @@ def unpack(header: DataHeader, payload: torch.Tensor, rank: int) -> list[Part]:
         return payload[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
 
     return [
-        Part(rank, p.layout, list(p.files), list(p.counts), view(p.frame_idx), [view(s) for s in p.leaves], list(p.json))
+        Part(
+            rank, p.layout, list(p.files), list(p.counts), view(p.frame_idx), [view(s) for s in p.leaves], list(p.json)
+        )
         for p in header.parts
     ]

@@ -81,7 +81,10 @@ def predictions(scenario: str, rank: int, world: int) -> dict:
             for j in range(rank, 9, world)
         ]
         p[f"tc_{rank % 2}.mp4"] = [
-            (j + 10 * rank, DepthMask(depth_map=value("tc", j, (2,)), mask=value("m", j, (2,), torch.bool), batch_size=[]))
+            (
+                j + 10 * rank,
+                DepthMask(depth_map=value("tc", j, (2,)), mask=value("m", j, (2,), torch.bool), batch_size=[]),
+            )
             for j in range(2)
         ]
     elif scenario == "dup_conflict":
@@ -129,14 +132,19 @@ def assert_same_value(got, want, where: str) -> None:
     got, want = _unwrap(got), _unwrap(want)
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor), where
-        assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+        assert got.dtype == want.dtype and got.shape == want.shape, (
+            f"{where}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+        )
         assert torch.equal(bits(got), bits(want)), f"{where}: values differ"
         assert got.device.type == "cpu", where
     elif isinstance(want, dict | TensorDictBase):
         assert sorted(got.keys()) == sorted(want.keys()), f"{where}: keys {sorted(got.keys())}"
         for k in want.keys():
-            assert_same_value(got.get(k) if isinstance(got, TensorDictBase) else got[k],
-                              want.get(k) if isinstance(want, TensorDictBase) else want[k], f"{where}.{k}")
+            assert_same_value(
+                got.get(k) if isinstance(got, TensorDictBase) else got[k],
+                want.get(k) if isinstance(want, TensorDictBase) else want[k],
+                f"{where}.{k}",
+            )
     else:
         assert got == want, f"{where}: {got!r} != {want!r}"
 
@@ -190,8 +198,12 @@ def case_compare(scenario: str) -> dict | None:
     expected = reference(objs)
     assert_matches(result, expected)
     sent = sum(len(_pairs(e)) for o in objs for e in o.values())
-    return {"frames": result.stats.frames, "sent": sent, "duplicates": result.stats.duplicates_dropped,
-            "per_rank": {str(k): v for k, v in result.stats.frames_per_rank.items()}}
+    return {
+        "frames": result.stats.frames,
+        "sent": sent,
+        "duplicates": result.stats.duplicates_dropped,
+        "per_rank": {str(k): v for k, v in result.stats.frames_per_rank.items()},
+    }
 
 
 def case_error(scenario: str) -> dict:
@@ -206,15 +218,15 @@ def case_error(scenario: str) -> dict:
 
 def case_store(n_batches: int) -> dict | None:
     """A FrameStore filled with add() batches of nested outputs, vs gather_object of the same frames."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     store, plain = tdgather.FrameStore(), {}
     for b in range(n_batches):
         names = [f"vid_{(b + k) % 3}.mp4" for k in range(4)]
         idx = torch.tensor([rank * 1000 + b * 4 + k for k in range(4)])
-        depth = torch.stack([value(n, int(i), (1, 3)) for n, i in zip(names, idx)])
+        depth = torch.stack([value(n, int(i), (1, 3)) for n, i in zip(names, idx, strict=True)])
         mask = depth[:, 0] > 0
         store.add(names, idx, TensorDict({"depth": depth, "mask": mask}, batch_size=[4]))
-        for k, (n, i) in enumerate(zip(names, idx.tolist())):
+        for k, (n, i) in enumerate(zip(names, idx.tolist(), strict=True)):
             plain.setdefault(n, []).append((i, {"depth": depth[k], "mask": mask[k]}))
     objs = _gather_reference(plain)
     result = tdgather.gather(store, timeout=60)

@@ -34,8 +34,9 @@ def test_demo_end_to_end(tmp_path, capsys):
 
 def test_inspect(tmp_path):
     tdgather.save(tdgather.gather({"a.mp4": [(0, torch.zeros(2, 3)), (1, torch.ones(2, 3))]}), tmp_path / "ds")
-    run = subprocess.run([sys.executable, "-m", "tdgather", "inspect", str(tmp_path / "ds")],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "tdgather", "inspect", str(tmp_path / "ds")], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     assert "'a.mp4'" in run.stdout and "float32[2, 3]" in run.stdout
     assert "total: 1 filenames, 2 frames, 48 B in 1 shard(s)" in run.stdout

@@ -79,7 +79,9 @@ def test_store_forms_and_counts():
 
 def test_store_rejects_bad_input_with_clear_messages():
     store = tdgather.FrameStore()
-    with pytest.raises(UnsupportedValueError, match=r"filename 'x': expected a dense tensor.*got dtype torch.complex128"):
+    with pytest.raises(
+        UnsupportedValueError, match=r"filename 'x': expected a dense tensor.*got dtype torch.complex128"
+    ):
         store.update({"x": (0, torch.zeros(2, dtype=torch.complex128))})
     with pytest.raises(UnsupportedValueError, match="got layout torch.jagged"):
         store.update({"x": (0, torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged))})
@@ -110,8 +112,13 @@ def test_prelude_validation():
     good = Prelude(Kind.DATA, 0, 10, 100, 1)
     assert Prelude.decode(good.encode(), 1, 0, Limits()) == good
     cases = {
-        "magic": (0, 0), "version": (1, 99), "kind": (2, 7), "seq": (3, 5), "header_len": (4, -1),
-        "payload_len": (5, 1 << 50), "src": (6, 3),
+        "magic": (0, 0),
+        "version": (1, 99),
+        "kind": (2, 7),
+        "seq": (3, 5),
+        "header_len": (4, -1),
+        "payload_len": (5, 1 << 50),
+        "src": (6, 3),
     }
     for field, (i, v) in cases.items():
         t = good.encode()
@@ -228,7 +235,9 @@ def test_header_parser_on_mutated_valid_headers(data):
     counts=st.lists(st.integers(1, 4), min_size=6, max_size=6),
 )
 def test_roundtrip_property(names, dtype, shape, counts):
-    frames = {n: [(j * 3, value(n, j, tuple(shape), dtype)) for j in range(c)] for n, c in zip(names, counts)}
+    frames = {
+        n: [(j * 3, value(n, j, tuple(shape), dtype)) for j in range(c)] for n, c in zip(names, counts, strict=False)
+    }
     store = tdgather.FrameStore()
     store.update(frames)
     merged, _ = merge(roundtrip(store)[0])

@@ -18,9 +18,13 @@ HOSTILE = ["..", "../../etc/passwd", "/abs/path.mp4", "nul\x00byte", "__metadata
 
 def gathered():
     p = {name: [(j, value(name, j, shape, dt)) for j in range(3)] for name, (dt, shape) in MIXED.items()}
-    p["nested.mp4"] = [(j, {"depth": value("d", j, (1, 2)), "meta": {"label": f"l{j}", "ok": j % 2 == 0}}) for j in range(4)]
-    p["tc.mp4"] = [(j, DepthMask(depth_map=value("t", j, (2,)), mask=value("m", j, (2,), torch.bool), batch_size=[]))
-                   for j in (5, 2)]
+    p["nested.mp4"] = [
+        (j, {"depth": value("d", j, (1, 2)), "meta": {"label": f"l{j}", "ok": j % 2 == 0}}) for j in range(4)
+    ]
+    p["tc.mp4"] = [
+        (j, DepthMask(depth_map=value("t", j, (2,)), mask=value("m", j, (2,), torch.bool), batch_size=[]))
+        for j in (5, 2)
+    ]
     for name in HOSTILE:
         p[name] = (1, value(name, 1, (2,)))
     return tdgather.gather(p), p

@@ -56,7 +56,7 @@ def test_sender_sequence_and_receiver_replay(wire):
     preds = {"a.mp4": [(1, torch.ones(2, 2)), (0, torch.zeros(2, 2))], "b.mp4": (4, torch.full((2, 2), 3.0))}
     wire.inbox[0] = deque(answer(Kind.DONE, {"frames": 3}))
     _send(preds, Channel(None, 0, timedelta(seconds=5)))
-    dsts, tensors = zip(*wire.sent)
+    dsts, tensors = zip(*wire.sent, strict=True)
     assert set(dsts) == {0}
     # 1. data prelude, 2. header, 3. payload, 4. done prelude, 5. done header
     assert len(tensors) == 5
