@@ -261,7 +261,10 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int) -> DataHeade
             raise c.fail(f"{f}.files", "distinct filenames with at least one frame each", files)
         n = sum(counts)
         leaf_specs = c.list(p["leaves"], f"{f}.leaves", len(layout.leaves))
-        wanted = [("frame_idx", p["frame_idx"], torch.int64, ())] + [
+        idx_dtype = (
+            torch.int32 if isinstance(p["frame_idx"], dict) and p["frame_idx"].get("dtype") == "int32" else torch.int64
+        )
+        wanted = [("frame_idx", p["frame_idx"], idx_dtype, ())] + [
             (f"leaves[{j}]", s, leaf.dtype, leaf.shape)
             for j, (s, leaf) in enumerate(zip(leaf_specs, layout.leaves, strict=True))
         ]
@@ -332,10 +335,11 @@ def pack(store: FrameStore) -> tuple[dict, torch.Tensor]:
     for plan in plans:
         n = plan.num_frames
         specs = []
-        for j, (dt, shape) in enumerate([(torch.int64, ())] + [(x.dtype, x.shape) for x in plan.layout.leaves]):
+        idx_dtype = _index_dtype(plan.frame_idx)
+        for j, (dt, shape) in enumerate([(idx_dtype, ())] + [(x.dtype, x.shape) for x in plan.layout.leaves]):
             nbytes = n * math.prod(shape) * dt.itemsize
             specs.append({"dtype": dtype_name(dt), "shape": [n, *shape], "offset": offset, "nbytes": nbytes})
-            jobs.append((plan, j - 1, offset, nbytes))
+            jobs.append((plan, j - 1, offset, nbytes, dt))
             offset = _aligned(offset + nbytes)
         parts.append(
             {
@@ -348,10 +352,10 @@ def pack(store: FrameStore) -> tuple[dict, torch.Tensor]:
             }
         )
     payload = torch.empty(offset, dtype=torch.uint8)
-    for plan, leaf, start, nbytes in jobs:
+    for plan, leaf, start, nbytes, dt in jobs:
         rows = payload[start : start + nbytes].view(plan.num_frames, nbytes // plan.num_frames)
         if leaf < 0:
-            payload[start : start + nbytes].view(torch.int64).copy_(plan.frame_idx)
+            payload[start : start + nbytes].view(dt).copy_(plan.frame_idx)
             continue
         for chunk, target in zip(plan.chunks, plan.targets, strict=True):
             src = byte_rows(chunk.tensors[leaf])
@@ -362,15 +366,27 @@ def pack(store: FrameStore) -> tuple[dict, torch.Tensor]:
     return {"parts": parts}, payload
 
 
+def _index_dtype(frame_idx: torch.Tensor) -> torch.dtype:
+    """int32 on the wire when every index fits (4 bytes a frame saved), else int64."""
+    fits = frame_idx.numel() == 0 or (int(frame_idx.min()) >= -(2**31) and int(frame_idx.max()) < 2**31)
+    return torch.int32 if fits else torch.int64
+
+
 def unpack(header: DataHeader, payload: torch.Tensor, rank: int) -> list[Part]:
-    """Rebuild the parts of a validated data message as views of ``payload``."""
+    """Rebuild the parts of a validated data message as views of ``payload`` (frame_idx as int64)."""
 
     def view(s: TensorSpec) -> torch.Tensor:
         return payload[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
 
     return [
         Part(
-            rank, p.layout, list(p.files), list(p.counts), view(p.frame_idx), [view(s) for s in p.leaves], list(p.json)
+            rank,
+            p.layout,
+            list(p.files),
+            list(p.counts),
+            view(p.frame_idx).to(torch.int64),
+            [view(s) for s in p.leaves],
+            list(p.json),
         )
         for p in header.parts
     ]

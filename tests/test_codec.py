@@ -63,8 +63,16 @@ def test_padding_is_alignment_only():
     store = tdgather.FrameStore()
     store.update({f"f{i}": [(j, torch.zeros(16)) for j in range(100)] for i in range(4)})
     header, payload = pack(store)
-    data = 4 * 100 * (16 * 4 + 8)
+    data = 4 * 100 * (16 * 4 + 4)  # int32 frame_idx: every index fits
     assert data <= payload.numel() < data + 2 * ALIGN * len(header["parts"])
+
+
+def test_large_frame_indices_travel_as_int64():
+    store = tdgather.FrameStore()
+    store.add("a", torch.tensor([2**40, 5]), torch.zeros(2, 1))
+    parts, header, _ = roundtrip(store)
+    assert header["parts"][0]["frame_idx"]["dtype"] == "int64"
+    assert parts[0].frame_idx.tolist() == [5, 2**40]
 
 
 def test_store_forms_and_counts():
@@ -173,7 +181,7 @@ def test_header_schema_checks_ranges_overlaps_and_sizes():
         decode_header(bad, Kind.DATA, 1, n)
     bad = json.loads(json.dumps(header))
     bad["parts"][0]["counts"] = [1, 1]
-    with pytest.raises(ProtocolError, match=r"frame_idx: expected int64\[2\]"):
+    with pytest.raises(ProtocolError, match=r"frame_idx: expected int32\[2\]"):
         decode_header(bad, Kind.DATA, 1, n)
     bad = json.loads(json.dumps(header))
     bad["parts"][0]["files"] = ["a", "a"]
