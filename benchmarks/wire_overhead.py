@@ -1,0 +1,64 @@
+"""Bytes on the wire against the frame bytes, for every workload (no network: it packs each rank).
+
+Run: ``python -m benchmarks.wire_overhead`` (world sizes 2 and 4).
+
+Wire bytes per sender = preludes + JSON headers + payload. Padding is the
+alignment between leaves: payload minus the leaf and frame-index bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tdgather import FrameStore
+from tdgather.wire import PRELUDE_LEN, encode_json, pack
+
+from .workloads import WORKLOADS, batches, describe
+
+
+def measure(name: str, world: int) -> dict:
+    frame_bytes = index_bytes = payload_bytes = header_bytes = preludes = 0
+    for rank in range(world):
+        store = FrameStore()
+        for names, idx, frames in batches(name, rank, world):
+            store.add(names, idx, frames)
+        frame_bytes += store.nbytes
+        preludes += 8 * PRELUDE_LEN  # the done message's prelude
+        header_bytes += len(encode_json({"frames": len(store)}))
+        if not len(store):
+            continue
+        header, payload = pack(store)
+        preludes += 8 * PRELUDE_LEN
+        header_bytes += len(encode_json(header))
+        payload_bytes += payload.numel()
+        index_bytes += sum(p["frame_idx"]["nbytes"] for p in header["parts"])
+    padding = payload_bytes - frame_bytes - index_bytes
+    wire = preludes + header_bytes + payload_bytes
+    return {
+        "workload": name,
+        "world": world,
+        "frame_MB": frame_bytes / 1e6,
+        "wire_MB": wire / 1e6,
+        "padding_pct": 100 * padding / frame_bytes,
+        "index_pct": 100 * index_bytes / frame_bytes,
+        "header_pct": 100 * (header_bytes + preludes) / frame_bytes,
+        "overhead_pct": 100 * (wire - frame_bytes) / frame_bytes,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    args = parser.parse_args()
+    print("| workload | world | frame MB | wire MB | padding % | frame_idx % | headers % | total overhead % |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.workloads:
+        for world in args.worlds:
+            r = measure(name, world)
+            print(f"| {name} ({describe(name)}) | {world} | {r['frame_MB']:.1f} | {r['wire_MB']:.1f} | "
+                  f"{r['padding_pct']:.3f} | {r['index_pct']:.2f} | {r['header_pct']:.3f} | {r['overhead_pct']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

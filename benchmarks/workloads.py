@@ -1,0 +1,92 @@
+"""The benchmark workloads, as per-rank batches of ``(filenames, frame_idx, frames)``.
+
+Frames are assigned to ranks by global position: round-robin, as
+``DistributedSampler`` does, except for ``skewed`` (one rank holds 70%, one none).
+
+- ``large``: 3x64x64 float32 frames, 629 MB in all;
+- ``tiny``: 400k frames of 16 float32;
+- ``skewed``: 3x32x32 float32 frames, 246 MB, rank 0 holds 70%, the last rank none;
+- ``mixed``: shapes and dtypes (float32, bfloat16, uint8, bool, float16, int16) differ by filename.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["WORKLOADS", "batches", "describe"]
+
+# name -> (filenames, frames per filename)
+WORKLOADS = {"large": (64, 200), "tiny": (4_000, 100), "skewed": (100, 200), "mixed": (600, 20)}
+_MIXED = [
+    (torch.float32, (3, 32, 32)),
+    (torch.bfloat16, (8, 24)),
+    (torch.uint8, (3, 64, 64)),
+    (torch.bool, (64, 64)),
+    (torch.float16, (17,)),
+    (torch.int16, (5, 5)),
+]
+
+
+def _spec(name: str, file: int) -> tuple[torch.dtype, tuple[int, ...]]:
+    if name == "large":
+        return torch.float32, (3, 64, 64)
+    if name == "tiny":
+        return torch.float32, (16,)
+    if name == "skewed":
+        return torch.float32, (3, 32, 32)
+    return _MIXED[file % len(_MIXED)]
+
+
+def _frames(dtype: torch.dtype, shape: tuple[int, ...], n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand((n, *shape), generator=g)
+    if dtype == torch.bool:
+        return x > 0.5
+    if not dtype.is_floating_point:
+        return (x * 100).to(dtype)
+    return x.to(dtype)
+
+
+def _owner(name: str, positions: torch.Tensor, total: int, world: int) -> torch.Tensor:
+    if name != "skewed" or world == 1:
+        return positions % world
+    # rank 0 holds the first 70%, the last rank nothing, the others share the rest
+    cut = int(total * 0.7)
+    others = max(1, world - 2)
+    rest = 1 + (positions - cut) % others if world > 2 else torch.zeros_like(positions)
+    return torch.where(positions < cut, torch.zeros_like(positions), rest)
+
+
+def batches(name: str, rank: int, world: int, batch: int = 64) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor]]:
+    """Yield rank ``rank``'s frames of a workload in inference-sized batches, grouped by layout."""
+    files, per_file = WORKLOADS[name]
+    total = files * per_file
+    positions = torch.arange(total)
+    mine = positions[_owner(name, positions, total, world) == rank]
+    file_of, idx_of = mine // per_file, mine % per_file
+    if name == "mixed":  # one layout per batch, as one model head would produce
+        order = torch.argsort(file_of % len(_MIXED), stable=True)
+        file_of, idx_of = file_of[order], idx_of[order]
+    start = 0
+    while start < mine.numel():
+        stop = min(start + batch, mine.numel())
+        kind = int(file_of[start]) % len(_MIXED) if name == "mixed" else 0
+        if name == "mixed":
+            same = (file_of[start:stop] % len(_MIXED)) == kind
+            stop = start + int(same.int().cumprod(0).sum())
+        dtype, shape = _spec(name, int(file_of[start]))
+        names = [f"{name}_{int(f):05d}.mp4" for f in file_of[start:stop]]
+        yield names, idx_of[start:stop].clone(), _frames(dtype, shape, stop - start, seed=rank * 1_000_003 + start)
+        start = stop
+
+
+def describe(name: str) -> str:
+    """One line for a report."""
+    files, per_file = WORKLOADS[name]
+    if name == "mixed":
+        return f"{files} filenames x {per_file} frames; {len(_MIXED)} dtype/shape kinds by filename"
+    dtype, shape = _spec(name, 0)
+    nbytes = files * per_file * torch.Size(shape).numel() * dtype.itemsize
+    return f"{files * per_file} frames {str(dtype).removeprefix('torch.')}{list(shape)}, {nbytes / 1e6:.0f} MB"
