@@ -56,8 +56,10 @@ def main() -> None:
     for name in args.workloads:
         for world in args.worlds:
             r = measure(name, world)
-            print(f"| {name} ({describe(name)}) | {world} | {r['frame_MB']:.1f} | {r['wire_MB']:.1f} | "
-                  f"{r['padding_pct']:.3f} | {r['index_pct']:.2f} | {r['header_pct']:.3f} | {r['overhead_pct']:.2f} |")
+            print(
+                f"| {name} ({describe(name)}) | {world} | {r['frame_MB']:.1f} | {r['wire_MB']:.1f} | "
+                f"{r['padding_pct']:.3f} | {r['index_pct']:.2f} | {r['header_pct']:.3f} | {r['overhead_pct']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,9 @@ def _owner(name: str, positions: torch.Tensor, total: int, world: int) -> torch.
     return torch.where(positions < cut, torch.zeros_like(positions), rest)
 
 
-def batches(name: str, rank: int, world: int, batch: int = 64) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor]]:
+def batches(
+    name: str, rank: int, world: int, batch: int = 64
+) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor]]:
     """Yield rank ``rank``'s frames of a workload in inference-sized batches, grouped by layout."""
     files, per_file = WORKLOADS[name]
     total = files * per_file

@@ -1,9 +1,13 @@
 """Stage 4, merge: one `Frames` per filename, ordered by ``frame_idx``.
 
-A filename whose frames all came from one rank, already sorted and free of
-duplicates, is returned as views of the received buffer (no copy). Otherwise
-its pieces are concatenated and sorted. Identical duplicates (the padding of
-``DistributedSampler``) are kept once and counted; conflicting ones raise.
+Parts of one layout are merged together, vectorised:
+
+1. sort every row by (filename, frame_idx);
+2. find duplicates: identical ones (``DistributedSampler`` padding) are dropped
+   and counted, conflicting ones raise;
+3. a filename whose rows all came from one part, already in order, is returned
+   as views of the received buffer (no copy);
+4. the rows of every other filename are scattered once into one new buffer.
 """
 
 from __future__ import annotations
@@ -11,11 +15,9 @@ from __future__ import annotations
 import torch
 
 from .errors import DuplicateFrameError, ShapeMismatchError
-from .frames import Frames, Layout, Part, byte_rows, rebuild
+from .frames import Frames, Layout, Part, rebuild, row_view, run_start, scatter_rows
 
 __all__ = ["merge"]
-
-Piece = tuple[Part, int, int]  # (part, first row, count)
 
 
 def merge(parts: list[Part]) -> tuple[dict[str, Frames], int]:
@@ -28,72 +30,122 @@ def merge(parts: list[Part]) -> tuple[dict[str, Frames], int]:
         ShapeMismatchError: two ranks sent one filename with different layouts.
         DuplicateFrameError: one ``(filename, frame_idx)`` came with different values.
     """
-    pieces: dict[str, list[Piece]] = {}
+    by_layout: dict[Layout, list[Part]] = {}
+    owner: dict[str, Part] = {}
     for part in parts:
-        start = 0
-        for name, count in zip(part.files, part.counts, strict=True):
-            pieces.setdefault(name, []).append((part, start, count))
-            start += count
-    out, dropped = {}, 0
-    for name in sorted(pieces):
-        group = pieces[name]
-        layout = group[0][0].layout
-        for part, _, _ in group[1:]:
-            if part.layout != layout:
+        for name in part.files:
+            first = owner.setdefault(name, part)
+            if first.layout != part.layout:
                 raise ShapeMismatchError(
-                    f"filename {name!r}: rank {group[0][0].rank} sent {layout.describe()} but rank {part.rank} "
-                    f"sent {part.layout.describe()} (ranks {sorted({p.rank for p, _, _ in group})}); every frame "
+                    f"filename {name!r}: rank {first.rank} sent {first.layout.describe()} but rank {part.rank} "
+                    f"sent {part.layout.describe()} (ranks {sorted({first.rank, part.rank})}); every frame "
                     "of a filename must have the same structure, shape and dtype"
                 )
-        out[name], n = _merge_one(name, layout, group)
-        dropped += n
-    return out, dropped
+        by_layout.setdefault(part.layout, []).append(part)
+    out: dict[str, Frames] = {}
+    dropped = sum(_merge_layout(layout, group, out) for layout, group in by_layout.items())
+    return dict(sorted(out.items())), dropped
 
 
-def _merge_one(name: str, layout: Layout, group: list[Piece]) -> tuple[Frames, int]:
-    if len(group) == 1:
-        part, s, n = group[0]
-        idx = part.frame_idx[s : s + n]
-        if n < 2 or bool((idx[1:] > idx[:-1]).all()):
-            value = rebuild(layout, n, [t[s : s + n] for t in part.leaves], [v[s : s + n] for v in part.json])
-            return Frames(frame_idx=idx, frames=value, batch_size=[n]), 0
-    idx = torch.cat([p.frame_idx[s : s + n] for p, s, n in group])
-    leaves = [torch.cat([p.leaves[j][s : s + n] for p, s, n in group]) for j in range(len(layout.leaves))]
-    json = [[v for p, s, n in group for v in p.json[j][s : s + n]] for j in range(len(layout.nontensor))]
+def _merge_layout(layout: Layout, group: list[Part], out: dict[str, Frames]) -> int:
+    names = sorted({n for p in group for n in p.files})
+    fid = {n: i for i, n in enumerate(names)}
+    sizes = [p.frame_idx.numel() for p in group]
+    bases = torch.tensor([0, *sizes]).cumsum(0)
+    fids = torch.cat([torch.tensor([fid[n] for n in p.files]).repeat_interleave(torch.tensor(p.counts)) for p in group])
+    idx = torch.cat([p.frame_idx for p in group])
+    # 1. sort by (file, frame_idx)
     order = torch.argsort(idx, stable=True)
-    sorted_idx = idx[order]
-    dup = sorted_idx[1:] == sorted_idx[:-1]
-    keep = torch.ones_like(sorted_idx, dtype=torch.bool)
+    order = order[torch.argsort(fids[order], stable=True)]
+    sf, si = fids[order], idx[order]
+    same_file = sf[1:] == sf[:-1]
+    # 2. duplicates
+    dup = same_file & (si[1:] == si[:-1])
     if bool(dup.any()):
-        first, second = order[:-1][dup], order[1:][dup]
-        same = torch.ones_like(first, dtype=torch.bool)
-        for t in leaves:
-            rows = byte_rows(t)
-            same &= (rows[first] == rows[second]).all(dim=1)
-        for values in json:
-            same &= torch.tensor(
-                [values[a] == values[b] for a, b in zip(first.tolist(), second.tolist(), strict=True)], dtype=torch.bool
-            )
-        if not bool(same.all()):
-            k = int((~same).nonzero()[0])
-            a, b = int(first[k]), int(second[k])
-            ra, rb = _rank_of(group, a), _rank_of(group, b)
-            who = f"ranks {ra} and {rb}" if ra != rb else f"rank {ra} (twice)"
-            raise DuplicateFrameError(
-                f"filename {name!r}, frame_idx {int(idx[a])}: {who} sent different values. Identical "
-                "duplicates (DistributedSampler padding) are dropped; different ones mean two predictions "
-                "claim the same frame: check how frames are assigned to ranks"
-            )
-        keep[1:] = ~dup
-    select = order[keep]
-    count = select.numel()
-    value = rebuild(layout, count, [t[select] for t in leaves], [[v[k] for k in select.tolist()] for v in json])
-    return Frames(frame_idx=sorted_idx[keep], frames=value, batch_size=[count]), int(idx.numel() - count)
+        _check_duplicates(names, layout, group, bases, order[:-1][dup], order[1:][dup], sf[1:][dup], si[1:][dup])
+    keep = torch.ones_like(si, dtype=torch.bool)
+    keep[1:] = ~dup
+    # 3. files sent whole, in order, by one part: consecutive source rows and no duplicates
+    part_start = torch.zeros_like(si, dtype=torch.bool)
+    part_start[bases[1:-1]] = True  # a step onto another part's first row is not "in order"
+    broken = same_file & (((order[1:] - order[:-1]) != 1) | dup | part_start[order[1:]])
+    copied = torch.zeros(len(names), dtype=torch.bool)
+    copied[sf[1:][broken]] = True
+    counts = torch.bincount(sf[keep], minlength=len(names))
+    starts = torch.bincount(sf, minlength=len(names)).cumsum(0) - torch.bincount(sf, minlength=len(names))
+    # 4. one scatter of the other files' rows into a compact buffer
+    moved = keep & copied[sf]
+    select = order[moved]
+    buffers = _scatter(layout, group, bases, select)
+    sorted_idx = si[moved]
+    json_all = [[v for p in group for v in p.json[j]] for j in range(len(layout.nontensor))]
+    offset = 0
+    for f, name in enumerate(names):
+        n = int(counts[f])
+        if bool(copied[f]):
+            lo, hi = offset, offset + n
+            offset = hi
+            frame_idx = sorted_idx[lo:hi]
+            tensors = [b[lo:hi] for b in buffers]
+            rows = select[lo:hi].tolist() if json_all else []
+        else:
+            src = int(order[starts[f]])
+            k = int(torch.searchsorted(bases, src, right=True)) - 1
+            lo, hi = src - int(bases[k]), src - int(bases[k]) + n
+            frame_idx = group[k].frame_idx[lo:hi]
+            tensors = [t[lo:hi] for t in group[k].leaves]
+            rows = range(src, src + n)
+        json = [[values[r] for r in rows] for values in json_all]
+        out[name] = Frames(frame_idx=frame_idx, frames=rebuild(layout, n, tensors, json), batch_size=[n])
+    return int(dup.sum())
 
 
-def _rank_of(group: list[Piece], row: int) -> int:
-    for part, _, n in group:
-        if row < n:
-            return part.rank
-        row -= n
-    raise IndexError(row)
+def _scatter(layout: Layout, group: list[Part], bases: torch.Tensor, select: torch.Tensor) -> list[torch.Tensor]:
+    """Gather rows ``select`` (positions in the parts' concatenation) into new buffers, in that order."""
+    buffers = [torch.empty((select.numel(), *leaf.shape), dtype=leaf.dtype) for leaf in layout.leaves]
+    if not select.numel():
+        return buffers
+    dest = torch.full((int(bases[-1]),), -1, dtype=torch.int64)
+    dest[select] = torch.arange(select.numel())
+    for k, part in enumerate(group):
+        d = dest[int(bases[k]) : int(bases[k + 1])]
+        local = (d >= 0).nonzero().flatten()
+        if not local.numel():
+            continue
+        whole = local.numel() == d.numel()
+        d = d if whole else d[local]
+        first = run_start(d)
+        for buf, t in zip(buffers, part.leaves, strict=True):
+            scatter_rows(buf, d if first is None else first, t if whole else t.index_select(0, local))
+    return buffers
+
+
+def _check_duplicates(names, layout, group, bases, first, second, files, frames) -> None:
+    same = torch.ones_like(first, dtype=torch.bool)
+    for j in range(len(layout.leaves)):
+        same &= (_rows_at(group, bases, j, first) == _rows_at(group, bases, j, second)).all(dim=1)
+    for j in range(len(layout.nontensor)):
+        values = [v for p in group for v in p.json[j]]
+        same &= torch.tensor([values[a] == values[b] for a, b in zip(first.tolist(), second.tolist(), strict=True)])
+    if bool(same.all()):
+        return
+    k = int((~same).nonzero()[0])
+    ra, rb = (group[int(torch.searchsorted(bases, x, right=True)) - 1].rank for x in (first[k], second[k]))
+    who = f"ranks {ra} and {rb}" if ra != rb else f"rank {ra} (twice)"
+    raise DuplicateFrameError(
+        f"filename {names[int(files[k])]!r}, frame_idx {int(frames[k])}: {who} sent different values. Identical "
+        "duplicates (DistributedSampler padding) are dropped; different ones mean two predictions claim the "
+        "same frame: check how frames are assigned to ranks"
+    )
+
+
+def _rows_at(group: list[Part], bases: torch.Tensor, leaf: int, positions: torch.Tensor) -> torch.Tensor:
+    """Rows at ``positions`` of the parts' concatenation, as bytes, for comparison."""
+    part_of = torch.searchsorted(bases, positions, right=True) - 1
+    width = group[0].leaves[leaf][:1].numel() * group[0].leaves[leaf].dtype.itemsize
+    rows = torch.empty((positions.numel(), width), dtype=torch.uint8)
+    for k, part in enumerate(group):
+        mask = part_of == k
+        if bool(mask.any()):
+            rows[mask] = row_view(part.leaves[leaf], 1).index_select(0, positions[mask] - bases[k])
+    return rows

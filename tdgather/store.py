@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ShapeMismatchError, UnsupportedValueError
-from .frames import Layout, flatten
+from .frames import Layout, flatten, run_start
 
 __all__ = ["FrameStore", "GroupPlan", "as_store"]
 
@@ -160,9 +160,8 @@ class FrameStore:
             for c in chunks:
                 pos = dest[start : start + c.frame_idx.numel()]
                 start += c.frame_idx.numel()
-                first = int(pos[0]) if pos.numel() else 0
-                runs = pos.numel() == 0 or bool((pos == torch.arange(first, first + pos.numel())).all())
-                targets.append(first if runs else pos)
+                first = run_start(pos)
+                targets.append(pos if first is None else first)
             json = [[v for c in chunks for v in c.json[j]] for j in range(len(layout.nontensor))]
             if json:
                 perm = order.tolist()

@@ -25,7 +25,7 @@ import torch
 
 from ._dtypes import dtype_from_name, dtype_name
 from .errors import ProtocolError
-from .frames import Layout, Part, byte_rows
+from .frames import Layout, Part, scatter_rows
 from .store import FrameStore
 
 __all__ = [
@@ -353,16 +353,12 @@ def pack(store: FrameStore) -> tuple[dict, torch.Tensor]:
         )
     payload = torch.empty(offset, dtype=torch.uint8)
     for plan, leaf, start, nbytes, dt in jobs:
-        rows = payload[start : start + nbytes].view(plan.num_frames, nbytes // plan.num_frames)
         if leaf < 0:
             payload[start : start + nbytes].view(dt).copy_(plan.frame_idx)
             continue
+        rows = payload[start : start + nbytes].view(plan.num_frames, nbytes // plan.num_frames)
         for chunk, target in zip(plan.chunks, plan.targets, strict=True):
-            src = byte_rows(chunk.tensors[leaf])
-            if isinstance(target, int):
-                rows[target : target + src.shape[0]].copy_(src)
-            else:
-                rows.index_copy_(0, target, src)
+            scatter_rows(rows, target, chunk.tensors[leaf])
     return {"parts": parts}, payload
 
 

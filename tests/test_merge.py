@@ -1,0 +1,88 @@
+"""Merge across ranks, pure: parts built by packing one store per simulated rank."""
+
+import json
+
+import pytest
+import torch
+
+import tdgather
+from tdgather.errors import DuplicateFrameError, ShapeMismatchError
+from tdgather.merge import merge
+from tdgather.wire import Kind, decode_header, encode_json, pack, unpack
+
+from .cases import value
+
+
+def parts_of(*per_rank: dict):
+    parts, payloads = [], []
+    for rank, preds in enumerate(per_rank):
+        store = tdgather.FrameStore()
+        store.update(preds)
+        if not len(store):
+            continue
+        header, payload = pack(store)
+        parsed = json.loads(encode_json(header))
+        parts += unpack(decode_header(parsed, Kind.DATA, rank, payload.numel()), payload, rank)
+        payloads.append(payload)
+    return parts, payloads
+
+
+def frames(name, idxs, shape=(4,)):
+    return [(i, value(name, i, shape)) for i in idxs]
+
+
+def test_whole_files_are_views_and_split_files_are_copied_once():
+    # rank 0 ends with "m.mp4", rank 1 starts with it: adjacent in the concatenation, still split
+    parts, payloads = parts_of(
+        {"a.mp4": frames("a.mp4", [2, 0, 1]), "m.mp4": frames("m.mp4", [0, 2])},
+        {"m.mp4": frames("m.mp4", [1, 3]), "z.mp4": frames("z.mp4", [5])},
+    )
+    out, dropped = merge(parts)
+    assert dropped == 0 and list(out) == ["a.mp4", "m.mp4", "z.mp4"]
+    assert out["m.mp4"].frame_idx.tolist() == [0, 1, 2, 3]
+    for name, f in out.items():
+        want = torch.stack([value(name, int(i), (4,)) for i in f.frame_idx])
+        assert torch.equal(f.frames, want)
+    ptrs = {p.untyped_storage().data_ptr() for p in payloads}
+    assert out["a.mp4"].frames.untyped_storage().data_ptr() in ptrs
+    assert out["z.mp4"].frames.untyped_storage().data_ptr() in ptrs
+    assert out["m.mp4"].frames.untyped_storage().data_ptr() not in ptrs
+
+
+def test_duplicates_within_and_across_ranks():
+    a = frames("a", [0, 1, 2])
+    parts, _ = parts_of({"a": a + [a[1]]}, {"a": [a[2], a[0]]})
+    out, dropped = merge(parts)
+    assert dropped == 3 and out["a"].frame_idx.tolist() == [0, 1, 2]
+    assert torch.equal(out["a"].frames, torch.stack([v for _, v in a]))
+    parts, _ = parts_of({"a": a}, {"b": a}, {"a": [(1, a[1][1] + 1)]})
+    with pytest.raises(DuplicateFrameError, match=r"filename 'a', frame_idx 1: ranks 0 and 2 sent different values"):
+        merge(parts)
+    parts, _ = parts_of({"a": a + [(0, a[0][1] * 2)]})
+    with pytest.raises(DuplicateFrameError, match=r"frame_idx 0: rank 0 \(twice\)"):
+        merge(parts)
+
+
+def test_nan_duplicates_compare_by_bits():
+    nan = torch.tensor([float("nan"), 1.0])
+    parts, _ = parts_of({"n": [(0, nan)]}, {"n": [(0, nan.clone())]})
+    assert merge(parts)[1] == 1
+    parts, _ = parts_of({"n": [(0, torch.tensor([0.0]))]}, {"n": [(0, torch.tensor([-0.0]))]})
+    with pytest.raises(DuplicateFrameError):
+        merge(parts)
+
+
+def test_layout_mismatch_across_ranks():
+    parts, _ = parts_of({"x": frames("x", [0])}, {"y": frames("y", [0])}, {"x": frames("x", [1], (2, 2))})
+    with pytest.raises(ShapeMismatchError, match=r"'x': rank 0 sent float32\[4\] but rank 2 sent float32\[2, 2\]"):
+        merge(parts)
+
+
+def test_json_leaves_follow_their_rows():
+    parts, _ = parts_of(
+        {"v": [(j, {"t": value("v", j, (1,)), "label": f"r0-{j}"}) for j in (4, 0)]},
+        {"v": [(j, {"t": value("v", j, (1,)), "label": f"r1-{j}"}) for j in (3, 1)]},
+    )
+    out, _ = merge(parts)
+    assert out["v"].frame_idx.tolist() == [0, 1, 3, 4]
+    assert out["v"].frames["label"] == ["r0-0", "r1-1", "r1-3", "r0-4"]
