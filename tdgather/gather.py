@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import PeerError, PeerLostError, ProtocolError
+from .errors import PeerError, PeerLostError, ProtocolError, TdgatherError
 from .frames import Frames, Part
 from .merge import merge
 from .store import FrameStore, as_store
@@ -104,13 +104,18 @@ def _send(predictions: Any, ch: Channel) -> None:
         data = pack(store) if len(store) else None
     except Exception as e:  # bad input here: tell dst, so nobody waits for frames that never come
         failure = e
-    if failure is not None:
-        works = ch.send(Kind.ERROR, {"type": type(failure).__name__, "message": str(failure)})
-    else:
-        works = ch.send(Kind.DATA, *data) if data else []
-        works += ch.send(Kind.DONE, {"frames": len(store)})
-    ch.wait(works, "sending to the destination")
-    answer = ch.recv()
+    try:
+        if failure is not None:
+            works = ch.send(Kind.ERROR, _error_header(failure))
+        else:
+            works = ch.send(Kind.DATA, *data) if data else []
+            works += ch.send(Kind.DONE, {"frames": len(store)})
+        ch.wait(works, "sending to the destination")
+        answer = ch.recv()
+    except TdgatherError:
+        if failure is not None:  # the user's own error matters more than the lost destination
+            raise failure from None
+        raise
     if failure is not None:
         raise failure
     if answer.kind == Kind.ERROR:
@@ -138,31 +143,28 @@ def _receive(predictions: Any, rank: int, channels: dict[int, Channel], start: f
     errors: dict[int, BaseException] = {}
     with ThreadPoolExecutor(max_workers=len(channels), thread_name_prefix="tdgather-recv") as pool:
         futures = {peer: pool.submit(_receive_stream, ch) for peer, ch in channels.items()}
-        parts: list[list[Part]] = []
+        parts: dict[int, list[Part]] = {}
         try:
-            parts.append(_own_parts(as_store(predictions), rank))
+            parts[rank] = _own_parts(as_store(predictions), rank)
         except Exception as e:
             errors[-1] = e
         for peer, fut in futures.items():
             try:
-                parts.append(fut.result())
+                parts[peer] = fut.result()
             except Exception as e:
                 errors[peer] = e
     result = None
     if not errors:
         try:
-            result = _result(parts, start, sorted([rank, *channels]))
+            result = _result(list(parts.values()), start, sorted([rank, *channels]))
         except Exception as e:
             errors[-1] = e
     failure = errors[min(errors, key=lambda r: (r < 0, r))] if errors else None
     for peer, ch in channels.items():
         if isinstance(errors.get(peer), PeerLostError):
             continue  # its pair is unusable
-        answer = (
-            (Kind.DONE, {"frames": 0})
-            if failure is None
-            else (Kind.ERROR, {"type": type(failure).__name__, "message": str(failure)})
-        )
+        received = sum(sum(p.counts) for p in parts.get(peer, []))
+        answer = (Kind.DONE, {"frames": received}) if failure is None else (Kind.ERROR, _error_header(failure))
         try:
             ch.wait(ch.send(*answer), "answering the peer")
         except PeerLostError as e:
@@ -170,6 +172,11 @@ def _receive(predictions: Any, rank: int, channels: dict[int, Channel], start: f
     if failure is not None:
         raise failure
     return result
+
+
+def _error_header(e: BaseException, limit: int = 16384) -> dict:
+    message = str(e)
+    return {"type": type(e).__name__, "message": message if len(message) <= limit else message[:limit] + " [...]"}
 
 
 def _result(parts: list[list[Part]], start: float, ranks: list[int]) -> Gathered:

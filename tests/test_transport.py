@@ -22,6 +22,10 @@ class FakeWire:
         def wait(self, timeout=None):
             return True
 
+    class Closed:
+        def wait(self, timeout=None):
+            raise RuntimeError("[pair.cc:553] Connection closed by peer")
+
     def __init__(self, rank):
         self.rank = rank
         self.sent: list[tuple[int, torch.Tensor]] = []
@@ -32,6 +36,8 @@ class FakeWire:
         return self.Work()
 
     def irecv(self, t, group=None, group_src=None):
+        if not self.inbox.get(group_src):
+            return self.Closed()
         data = self.inbox[group_src].popleft()
         assert data.dtype == t.dtype and data.shape == t.shape, "receive posted with the wrong size"
         t.copy_(data)
@@ -111,3 +117,13 @@ def test_timeouts():
     assert transport.as_timeout(2.5) == timedelta(seconds=2.5)
     with pytest.raises(ValueError, match="expected a positive number of seconds, got 0"):
         transport.as_timeout(0)
+
+
+def test_bad_input_still_raises_when_destination_is_lost(wire):
+    with pytest.raises(tdgather.UnsupportedValueError, match="complex128"):
+        _send({"x": (0, torch.ones(1, dtype=torch.complex128))}, Channel(None, 0, timedelta(seconds=5)))
+
+
+def test_lost_destination_is_reported(wire):
+    with pytest.raises(tdgather.PeerLostError, match="rank 0 failed with PeerLost: its connection failed"):
+        _send({"x": (0, torch.ones(1))}, Channel(None, 0, timedelta(seconds=5)))
