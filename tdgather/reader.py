@@ -1,7 +1,8 @@
 """Stage 6, the reader: a lazy ``Mapping[str, Frames]`` over a saved dataset.
 
-Reading one filename opens its shard with ``safetensors.safe_open`` and slices
-only that filename's rows.
+Reading one filename opens its shard(s) with ``safetensors.safe_open`` and
+slices only that filename's rows; segments written at different times are
+merged by ``frame_idx``.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 
 from .errors import OutputError
 from .frames import Frames, Layout, rebuild
 from .sink import FORMAT, INDEX_NAME
 
-__all__ = ["Dataset", "open_dataset"]
+__all__ = ["Dataset", "open_dataset", "read_segment"]
 
 
 class Dataset(Mapping[str, Frames]):
@@ -54,8 +56,8 @@ class Dataset(Mapping[str, Frames]):
 
     def layout(self, name: str) -> Layout:
         """The layout (structure, dtypes, per-frame shapes) of a filename, without reading data."""
-        entry = self._files[name]
-        return Layout.from_json(self.index["shards"][entry["shard"]]["groups"][entry["group"]])
+        segment = self._files[name]["segments"][0]
+        return Layout.from_json(self.index["shards"][segment["shard"]]["groups"][segment["group"]])
 
     def num_frames(self, name: str) -> int:
         """Frames stored for a filename, without reading data."""
@@ -64,17 +66,32 @@ class Dataset(Mapping[str, Frames]):
     def __getitem__(self, name: str) -> Frames:
         entry = self._files[name]
         layout = self.layout(name)
-        key, lo, count = entry["group"], entry["start"], entry["frames"]
-        hi = lo + count
-        with safe_open(self.path / entry["shard"], framework="pt") as f:
-            idx = f.get_slice(f"{key}.frame_idx")[lo:hi]
-            tensors = [f.get_slice(f"{key}.leaf{j}")[lo:hi] for j in range(len(layout.leaves))]
-            values = []
-            for j in range(len(layout.nontensor)):
-                start, end = f.get_slice(f"{key}.json{j}.offsets")[lo : hi + 1][[0, -1]].tolist()
-                blob = f.get_slice(f"{key}.json{j}")[start:end]
-                values.append([json.loads(line) for line in blob.numpy().tobytes().splitlines()])
-        return Frames(frame_idx=idx, frames=rebuild(layout, count, tensors, values), batch_size=[count])
+        pieces = [read_segment(self.path, segment, layout) for segment in entry["segments"]]
+        idx, tensors, json_values = pieces[0]
+        if len(pieces) > 1:  # segments written at different times: merge them by frame_idx
+            order = torch.argsort(torch.cat([p[0] for p in pieces]))
+            idx = torch.cat([p[0] for p in pieces])[order]
+            tensors = [torch.cat([p[1][j] for p in pieces])[order] for j in range(len(layout.leaves))]
+            rows = order.tolist()
+            json_values = [[v for p in pieces for v in p[2][j]] for j in range(len(layout.nontensor))]
+            json_values = [[values[r] for r in rows] for values in json_values]
+        count = idx.numel()
+        return Frames(frame_idx=idx, frames=rebuild(layout, count, tensors, json_values), batch_size=[count])
+
+
+def read_segment(root: Path, segment: dict, layout: Layout) -> tuple[torch.Tensor, list, list]:
+    """Read one segment's ``(frame_idx, tensor leaves, JSON leaves)``, touching only its rows."""
+    key, lo = segment["group"], segment["start"]
+    hi = lo + segment["frames"]
+    with safe_open(Path(root) / segment["shard"], framework="pt") as f:
+        idx = f.get_slice(f"{key}.frame_idx")[lo:hi]
+        tensors = [f.get_slice(f"{key}.leaf{j}")[lo:hi] for j in range(len(layout.leaves))]
+        json_values = []
+        for j in range(len(layout.nontensor)):
+            start, end = f.get_slice(f"{key}.json{j}.offsets")[lo : hi + 1][[0, -1]].tolist()
+            blob = f.get_slice(f"{key}.json{j}")[start:end]
+            json_values.append([json.loads(line) for line in blob.numpy().tobytes().splitlines()])
+    return idx, tensors, json_values
 
 
 def open_dataset(path: str | os.PathLike) -> Dataset:

@@ -11,8 +11,10 @@ In a shard, the frames of every filename of one layout ("group" ``g<k>``) are
 stored back to back, filenames in sorted order: ``g<k>.frame_idx`` (int64
 ``[N]``), one tensor per leaf ``g<k>.leaf<j>`` (``[N, ...]``), and for JSON
 leaves ``g<k>.json<j>`` (UTF-8 JSON lines, uint8) with ``g<k>.json<j>.offsets``
-(int64 ``[N+1]`` byte offsets). The index maps each filename to its shard,
-group, first row and frame count, so reading one filename reads only its rows.
+(int64 ``[N+1]`` byte offsets). The index maps each filename to its segments
+(shard, group, first row, frame count), so reading one filename reads only its
+rows. A one-shot `save` gives each filename one segment; a streaming
+`tdgather.Collector` may give it one per shard it wrote while frames arrived.
 
 Writes go to a staging directory ``<name>.partial`` beside the target. Every
 file is written to a temporary name, fsynced, renamed, and the directory
@@ -32,10 +34,10 @@ from typing import Any
 import torch
 
 from ._dtypes import SAFETENSORS_CODE
-from .errors import OutputError
-from .frames import Frames, Layout, flatten
+from .errors import DuplicateFrameError, OutputError, ShapeMismatchError
+from .frames import Frames, Layout, flatten, row_view
 
-__all__ = ["DEFAULT_SHARD_BYTES", "FORMAT", "INDEX_NAME", "check_output", "save", "write_safetensors"]
+__all__ = ["DEFAULT_SHARD_BYTES", "FORMAT", "INDEX_NAME", "DatasetWriter", "check_output", "save", "write_safetensors"]
 
 FORMAT = "tdgather"
 INDEX_NAME = "tdgather.index.json"
@@ -71,6 +73,143 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
     return target
 
 
+class DatasetWriter:
+    """Writes a dataset incrementally: shards as they fill, the index last.
+
+    Call order (rank ``dst`` only):
+
+    1. ``DatasetWriter(path, ...)`` checks the output and opens ``<path>.partial``;
+    2. ``write(frames)`` any number of times: each call commits one or more shards. A filename
+       may appear in several calls; its frames then form several segments, and frames already
+       written are checked against the disk (identical ones dropped, different ones raise);
+    3. ``commit()`` writes the index and moves the dataset into place; or ``abort()``, which
+       keeps the committed shards in ``<path>.partial`` and writes no index.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        overwrite: bool = False,
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    ) -> None:
+        self.target = check_output(path, overwrite)
+        self.staging = _staging(self.target)
+        self.overwrite = overwrite
+        self.max_shard_bytes = max_shard_bytes
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.staging.mkdir()
+        self.files: dict[str, dict] = {}
+        self.shards: dict[str, dict] = {}
+        self.duplicates_dropped = 0
+        self._layouts: dict[str, Layout] = {}
+        self._written_idx: dict[str, list[torch.Tensor]] = {}
+
+    @property
+    def frames(self) -> int:
+        """Frames committed so far."""
+        return sum(s["frames"] for s in self.shards.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Frame bytes committed so far."""
+        return sum(s["bytes"] for s in self.shards.values())
+
+    def write(self, frames: Mapping[str, Frames]) -> list[str]:
+        """Commit ``{filename: Frames}`` as new shards; return their names."""
+        shards: list[list[tuple]] = [[]]
+        size = 0
+        for name in sorted(frames):
+            f = frames[name]
+            layout, tensors, json_values = flatten(f.frames, f.frame_idx.numel(), f"filename {name!r}")
+            idx = f.frame_idx
+            if name in self._layouts:
+                idx, tensors, json_values = self._drop_written(name, layout, idx, tensors, json_values)
+                if not idx.numel():
+                    continue
+            nbytes = idx.numel() * (layout.frame_nbytes + 8)
+            if shards[-1] and size + nbytes > self.max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((name, layout, idx, tensors, json_values))
+            size += nbytes
+        written = []
+        for shard in (s for s in shards if s):
+            shard_name = f"shard-{len(self.shards):05d}.safetensors"
+            groups, entries, segments = _shard_tensors(shard, shard_name)
+            write_safetensors(self.staging / shard_name, entries, {"format": FORMAT, "groups": json.dumps(groups)})
+            for (name, layout, idx, _, _), segment in zip(shard, segments, strict=True):
+                entry = self.files.setdefault(name, {"frames": 0, "segments": []})
+                entry["frames"] += segment["frames"]
+                entry["segments"].append(segment)
+                self._layouts[name] = layout
+                self._written_idx.setdefault(name, []).append(idx)
+            self.shards[shard_name] = {
+                "frames": sum(x[2].numel() for x in shard),
+                "bytes": sum(x[2].numel() * x[1].frame_nbytes for x in shard),
+                "groups": groups,
+            }
+            written.append(shard_name)
+        return written
+
+    def _drop_written(self, name: str, layout: Layout, idx: torch.Tensor, tensors: list, json_values: list) -> tuple:
+        """Drop frames of ``name`` already on disk when identical; raise when they differ."""
+        if layout != self._layouts[name]:
+            raise ShapeMismatchError(
+                f"filename {name!r}: frames already written have {self._layouts[name].describe()}, new ones "
+                f"have {layout.describe()}; every frame of a filename must have the same structure, shape and dtype"
+            )
+        again = torch.isin(idx, torch.cat(self._written_idx[name]))
+        if not bool(again.any()):
+            return idx, tensors, json_values
+        from .reader import read_segment
+
+        for segment in self.files[name]["segments"]:
+            old_idx, old_tensors, old_json = read_segment(self.staging, segment, layout)
+            new_pos = (again & torch.isin(idx, old_idx)).nonzero().flatten()
+            old_pos = torch.searchsorted(old_idx, idx[new_pos])
+            same = torch.ones(new_pos.numel(), dtype=torch.bool)
+            for new, old in zip(tensors, old_tensors, strict=True):
+                same &= (row_view(new.index_select(0, new_pos), 1) == row_view(old.index_select(0, old_pos), 1)).all(1)
+            for new, old in zip(json_values, old_json, strict=True):
+                same &= torch.tensor(
+                    [new[a] == old[b] for a, b in zip(new_pos.tolist(), old_pos.tolist(), strict=True)]
+                )
+            if not bool(same.all()):
+                bad = int(idx[new_pos[(~same).nonzero()[0]]])
+                raise DuplicateFrameError(
+                    f"filename {name!r}, frame_idx {bad}: arrived again with a different value after its first "
+                    f"copy was written to {segment['shard']}. Identical duplicates (DistributedSampler padding) "
+                    "are dropped; different ones mean two predictions claim the same frame"
+                )
+        keep = (~again).nonzero().flatten()
+        self.duplicates_dropped += int(again.sum())
+        kept_json = [[values[k] for k in keep.tolist()] for values in json_values]
+        return idx[keep], [t.index_select(0, keep) for t in tensors], kept_json
+
+    def commit(self, metadata: Mapping[str, Any] | None = None) -> Path:
+        """Write the index (last), then move the dataset into place; return its path."""
+        index = {
+            "format": FORMAT,
+            "version": 1,
+            "metadata": {
+                **(metadata or {}),
+                "total_frames": self.frames,
+                "total_bytes": self.nbytes,
+                "num_filenames": len(self.files),
+            },
+            "shards": self.shards,
+            "files": dict(sorted(self.files.items())),
+        }
+        _write_atomic(self.staging / INDEX_NAME, [json.dumps(index, ensure_ascii=False, allow_nan=False).encode()])
+        _publish(self.staging, self.target, self.overwrite)
+        return self.target
+
+    def abort(self) -> Path:
+        """Stop without an index: the committed shards stay in ``<path>.partial``; return that path."""
+        return self.staging
+
+
 def save(
     frames: Mapping[str, Frames],
     path: str | os.PathLike,
@@ -86,80 +225,42 @@ def save(
         path: the dataset directory to create.
         overwrite: replace an existing dataset (atomically: the old one stays whole until the swap).
         max_shard_bytes: start a new shard when a shard would grow past this; one filename
-            never spans shards.
+            never spans shards in one call.
         metadata: extra JSON values stored in the index under ``"metadata"``.
 
     Returns:
         The dataset directory.
     """
-    target = check_output(path, overwrite)
-    staging = _staging(target)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    shards: list[list[tuple[str, Layout, Frames, list, list]]] = [[]]
-    size = 0
-    for name in sorted(frames):
-        f = frames[name]
-        count = f.frame_idx.numel()
-        layout, tensors, json_values = flatten(f.frames, count, f"filename {name!r}")
-        nbytes = count * (layout.frame_nbytes + 8)
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, layout, f, tensors, json_values))
-        size += nbytes
-    index: dict[str, Any] = {"format": FORMAT, "version": 1, "metadata": {}, "shards": {}, "files": {}}
-    total_frames = total_bytes = 0
-    for k, shard in enumerate(s for s in shards if s):
-        shard_name = f"shard-{k:05d}.safetensors"
-        groups, entries = _shard_tensors(shard, shard_name, index["files"])
-        write_safetensors(staging / shard_name, entries, {"format": FORMAT, "groups": json.dumps(groups)})
-        frames_in = sum(f.frame_idx.numel() for _, _, f, _, _ in shard)
-        bytes_in = sum(f.frame_idx.numel() * lay.frame_nbytes for _, lay, f, _, _ in shard)
-        index["shards"][shard_name] = {"frames": frames_in, "bytes": bytes_in, "groups": groups}
-        total_frames += frames_in
-        total_bytes += bytes_in
-    index["metadata"] = {
-        **(metadata or {}),
-        "total_frames": total_frames,
-        "total_bytes": total_bytes,
-        "num_filenames": len(index["files"]),
-    }
-    _write_atomic(staging / INDEX_NAME, [json.dumps(index, ensure_ascii=False, allow_nan=False).encode()])
-    _publish(staging, target, overwrite)
-    return target
+    writer = DatasetWriter(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+    writer.write(frames)
+    return writer.commit(metadata)
 
 
-def _shard_tensors(shard: list, shard_name: str, files: dict) -> tuple[dict, list]:
+def _shard_tensors(shard: list, shard_name: str) -> tuple[dict, list, list]:
+    """Group a shard's filenames by layout; return group descriptions, tensor entries and segments."""
     by_layout: dict[Layout, list] = {}
     for item in shard:
         by_layout.setdefault(item[1], []).append(item)
-    groups, entries = {}, []
+    groups, entries, segment_of = {}, [], {}
     for g, (layout, items) in enumerate(by_layout.items()):
         key = f"g{g}"
         groups[key] = layout.to_json()
         row = 0
-        for name, _, f, _, _ in items:
-            files[name] = {"shard": shard_name, "group": key, "start": row, "frames": f.frame_idx.numel()}
-            row += f.frame_idx.numel()
-        entries.append((f"{key}.frame_idx", torch.int64, (row,), [f.frame_idx for _, _, f, _, _ in items]))
+        for name, _, idx, _, _ in items:
+            segment_of[name] = {"shard": shard_name, "group": key, "start": row, "frames": idx.numel()}
+            row += idx.numel()
+        entries.append((f"{key}.frame_idx", torch.int64, (row,), [x[2] for x in items]))
         for j, leaf in enumerate(layout.leaves):
-            entries.append((f"{key}.leaf{j}", leaf.dtype, (row, *leaf.shape), [t[j] for _, _, _, t, _ in items]))
+            entries.append((f"{key}.leaf{j}", leaf.dtype, (row, *leaf.shape), [x[3][j] for x in items]))
         for j in range(len(layout.nontensor)):
             lines = [
-                json.dumps(v, ensure_ascii=False, allow_nan=False).encode() + b"\n"
-                for _, _, _, _, js in items
-                for v in js[j]
+                json.dumps(v, ensure_ascii=False, allow_nan=False).encode() + b"\n" for x in items for v in x[4][j]
             ]
             offsets = torch.tensor([0, *map(len, lines)], dtype=torch.int64).cumsum(0)
-            blob = (
-                torch.frombuffer(bytearray(b"".join(lines)), dtype=torch.uint8)
-                if lines
-                else torch.empty(0, dtype=torch.uint8)
-            )
+            blob = torch.frombuffer(bytearray(b"".join(lines)), dtype=torch.uint8)
             entries.append((f"{key}.json{j}", torch.uint8, (blob.numel(),), [blob]))
             entries.append((f"{key}.json{j}.offsets", torch.int64, (row + 1,), [offsets]))
-    return groups, entries
+    return groups, entries, [segment_of[item[0]] for item in shard]
 
 
 def write_safetensors(

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 import tdgather
+import tdgather.sink
 from tdgather.errors import OutputError
 from tdgather.sink import INDEX_NAME
 
@@ -58,7 +59,7 @@ def test_shards_read_with_plain_safetensors(tmp_path):
     out = tdgather.save(result, tmp_path / "ds")
     index = json.loads((out / INDEX_NAME).read_text())
     for name in ["bf16.mp4", "f8.mp4", "bool.mp4", "../../etc/passwd", "__metadata__"]:
-        entry = index["files"][name]
+        [entry] = index["files"][name]["segments"]
         lo, hi = entry["start"], entry["start"] + entry["frames"]
         with safe_open(out / entry["shard"], framework="pt") as f:
             assert f.metadata()["format"] == "tdgather"
@@ -119,3 +120,34 @@ def test_reading_one_filename_reads_only_its_rows(tmp_path):
     grown = _resident_bytes() - before
     assert got.frames.shape == (5, 25_000) and bool((got.frames == 117).all())
     assert grown < 20_000_000, f"reading 0.5 MB of a 100 MB shard made {grown} bytes resident"
+
+
+def test_incremental_writes_make_segments_and_drop_rewritten_duplicates(tmp_path):
+    w = tdgather.sink.DatasetWriter(tmp_path / "ds", max_shard_bytes=1 << 20)
+    a = {j: value("a", j, (3,)) for j in range(6)}
+    first = tdgather.gather({"a": [(j, a[j]) for j in (0, 2, 4)], "b": (0, value("b", 0))})
+    second = tdgather.gather({"a": [(j, a[j]) for j in (1, 2, 5)], "c": (1, value("c", 1))})
+    assert w.write(first) == ["shard-00000.safetensors"]
+    assert w.write(second) == ["shard-00001.safetensors"]
+    assert w.duplicates_dropped == 1  # frame 2 of "a" was already on disk, identical
+    out = w.commit()
+    ds = tdgather.open(out)
+    assert [s["shard"] for s in ds.index["files"]["a"]["segments"]] == [
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+    ]
+    assert ds["a"].frame_idx.tolist() == [0, 1, 2, 4, 5]
+    assert torch.equal(ds["a"].frames, torch.stack([a[j] for j in (0, 1, 2, 4, 5)]))
+    assert ds.metadata["total_frames"] == 7
+
+
+def test_incremental_conflicts_raise_and_abort_keeps_committed_shards(tmp_path):
+    w = tdgather.sink.DatasetWriter(tmp_path / "ds")
+    w.write(tdgather.gather({"a": (0, torch.zeros(2))}))
+    with pytest.raises(tdgather.DuplicateFrameError, match=r"'a', frame_idx 0: arrived again with a different value"):
+        w.write(tdgather.gather({"a": (0, torch.ones(2))}))
+    with pytest.raises(tdgather.ShapeMismatchError, match=r"'a': frames already written have float32\[2\]"):
+        w.write(tdgather.gather({"a": (1, torch.ones(3))}))
+    partial = w.abort()
+    assert partial == tmp_path / "ds.partial" and sorted(os.listdir(partial)) == ["shard-00000.safetensors"]
+    assert not (tmp_path / "ds").exists()
