@@ -1,5 +1,6 @@
 """tdgather: gather per-rank frame predictions to one CPU process, without pickle, and save them."""
 
+from .collector import Collector, CollectorSummary
 from .errors import (
     DuplicateFrameError,
     FrameConflictError,
@@ -19,6 +20,8 @@ from .sink import save
 from .store import FrameStore
 
 __all__ = [
+    "Collector",
+    "CollectorSummary",
     "Dataset",
     "DuplicateFrameError",
     "FrameConflictError",

@@ -28,7 +28,7 @@ from .frames import Frames, Part
 from .merge import merge
 from .store import FrameStore, as_store
 from .transport import Channel, as_timeout, transport_group
-from .wire import Kind, decode_header, pack, unpack
+from .wire import Kind, error_header, local_parts, pack, unpack
 
 __all__ = ["GatherStats", "Gathered", "gather"]
 
@@ -81,7 +81,7 @@ def gather(
     start = time.perf_counter()
     wait = as_timeout(timeout)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return _result([_own_parts(as_store(predictions), 0)], start, [0])
+        return _result([local_parts(as_store(predictions), 0)], start, [0])
     pg = transport_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     if not 0 <= dst < world:
@@ -90,11 +90,6 @@ def gather(
         _send(predictions, Channel(pg, dst, wait))
         return None
     return _receive(predictions, rank, {p: Channel(pg, p, wait) for p in range(world) if p != rank}, start)
-
-
-def _own_parts(store: FrameStore, rank: int) -> list[Part]:
-    header, payload = pack(store)
-    return unpack(decode_header(header, Kind.DATA, rank, payload.numel()), payload, rank)
 
 
 def _send(predictions: Any, ch: Channel) -> None:
@@ -106,7 +101,7 @@ def _send(predictions: Any, ch: Channel) -> None:
         failure = e
     try:
         if failure is not None:
-            works = ch.send(Kind.ERROR, _error_header(failure))
+            works = ch.send(Kind.ERROR, error_header(failure))
         else:
             works = ch.send(Kind.DATA, *data) if data else []
             works += ch.send(Kind.DONE, {"frames": len(store)})
@@ -145,7 +140,7 @@ def _receive(predictions: Any, rank: int, channels: dict[int, Channel], start: f
         futures = {peer: pool.submit(_receive_stream, ch) for peer, ch in channels.items()}
         parts: dict[int, list[Part]] = {}
         try:
-            parts[rank] = _own_parts(as_store(predictions), rank)
+            parts[rank] = local_parts(as_store(predictions), rank)
         except Exception as e:
             errors[-1] = e
         for peer, fut in futures.items():
@@ -164,7 +159,7 @@ def _receive(predictions: Any, rank: int, channels: dict[int, Channel], start: f
         if isinstance(errors.get(peer), PeerLostError):
             continue  # its pair is unusable
         received = sum(sum(p.counts) for p in parts.get(peer, []))
-        answer = (Kind.DONE, {"frames": received}) if failure is None else (Kind.ERROR, _error_header(failure))
+        answer = (Kind.DONE, {"frames": received}) if failure is None else (Kind.ERROR, error_header(failure))
         try:
             ch.wait(ch.send(*answer), "answering the peer")
         except PeerLostError as e:
@@ -172,11 +167,6 @@ def _receive(predictions: Any, rank: int, channels: dict[int, Channel], start: f
     if failure is not None:
         raise failure
     return result
-
-
-def _error_header(e: BaseException, limit: int = 16384) -> dict:
-    message = str(e)
-    return {"type": type(e).__name__, "message": message if len(message) <= limit else message[:limit] + " [...]"}
 
 
 def _result(parts: list[list[Part]], start: float, ranks: list[int]) -> Gathered:

@@ -73,6 +73,7 @@ class FrameStore:
         self._file_layout: list[Layout] = []
         self._layouts: dict[Layout, Layout] = {}
         self._chunks: dict[Layout, list[_Chunk]] = {}
+        self._copies: list = []  # CUDA events of pending device-to-host copies
         self.num_frames = 0
         self.nbytes = 0
 
@@ -140,13 +141,31 @@ class FrameStore:
                 )
         ids = self._ids
         file_ids = torch.tensor([ids[n] for n in names], dtype=torch.int64)
-        tensors = [t.detach() if t.device.type == "cpu" else t.detach().to("cpu") for t in tensors]
+        tensors = [self._to_host(t.detach()) for t in tensors]
         self._chunks.setdefault(layout, []).append(_Chunk(file_ids, idx, tensors, json))
         self.num_frames += idx.numel()
         self.nbytes += idx.numel() * layout.frame_nbytes
 
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """CPU tensors pass through; CUDA ones are copied once, asynchronously, into pinned memory."""
+        if t.device.type == "cpu":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))
+        self._copies.append(event)
+        return host
+
+    def synchronize(self) -> None:
+        """Wait until every device-to-host copy made by `add` has landed."""
+        for event in self._copies:
+            event.synchronize()
+        self._copies.clear()
+
     def plan(self) -> list[GroupPlan]:
         """Sort every group by (file, frame_idx) and say where each chunk's rows go."""
+        self.synchronize()
         plans = []
         for layout, chunks in self._chunks.items():
             ids = torch.cat([c.file_ids for c in chunks])

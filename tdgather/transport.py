@@ -105,11 +105,17 @@ class Channel:
         for _, work in works:
             self._wait(work, what)
 
-    def recv(self) -> Message:
-        """Receive one message: 1. prelude, 2. header, 3. payload, each validated first."""
+    def recv(self, first_wait: timedelta | None = None) -> Message:
+        """Receive one message: 1. prelude, 2. header, 3. payload, each validated first.
+
+        Args:
+            first_wait: how long to wait for the prelude (default: the channel's timeout).
+                The rest of a message, once started, always comes within the timeout.
+        """
         seq = self._seq_in
         raw_prelude = torch.empty(PRELUDE_LEN, dtype=torch.int64)
-        self._wait(dist.irecv(raw_prelude, group=self.group, group_src=self.peer), f"the prelude of message {seq}")
+        work = dist.irecv(raw_prelude, group=self.group, group_src=self.peer)
+        self._wait(work, f"the prelude of message {seq}", first_wait)
         prelude = Prelude.decode(raw_prelude, self.peer, seq, self.limits)
         if prelude.header_len == 0:
             raise ProtocolError(self.peer, "prelude.header_len", "expected a header, got length 0")
@@ -124,11 +130,12 @@ class Channel:
         self._seq_in += 1
         return Message(prelude, header, payload)
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, timeout: timedelta | None = None) -> None:
+        timeout = timeout or self.timeout
         try:
-            work.wait(self.timeout)
+            work.wait(timeout)
         except RuntimeError as e:
-            seconds = self.timeout.total_seconds()
+            seconds = timeout.total_seconds()
             if "timed out" in str(e).lower():
                 cause = (
                     f"no progress for {seconds:g} s on {what}; a timed-out gloo pair cannot be reused, "

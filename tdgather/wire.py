@@ -42,6 +42,8 @@ __all__ = [
     "decode_header",
     "decode_json",
     "encode_json",
+    "error_header",
+    "local_parts",
     "pack",
     "unpack",
 ]
@@ -386,3 +388,15 @@ def unpack(header: DataHeader, payload: torch.Tensor, rank: int) -> list[Part]:
         )
         for p in header.parts
     ]
+
+
+def local_parts(store: FrameStore, rank: int) -> list[Part]:
+    """The parts rank ``rank`` would send, without sending: packed (sorted, one copy) and unpacked."""
+    header, payload = pack(store)
+    return unpack(decode_header(header, Kind.DATA, rank, payload.numel()), payload, rank)
+
+
+def error_header(e: BaseException, limit: int = 16384) -> dict:
+    """The header of an ``error`` message: the exception's type name and message, as JSON."""
+    message = str(e)
+    return {"type": type(e).__name__, "message": message if len(message) <= limit else message[:limit] + " [...]"}

@@ -278,3 +278,159 @@ def case_no_unpickle(scenario: str) -> dict | None:
     state["on"] = False
     assert "pickle.find_class" in events
     return {"frames": result.stats.frames}
+
+
+# ---- streaming (Collector) cases -------------------------------------------------------------
+
+
+def stream_batches(rank: int, world: int, files: int = 12, per_file: int = 40, shape=(3, 16, 16), batch: int = 8):
+    """DistributedSampler-style batches: round-robin frames, the last rank padded with repeats."""
+    total = files * per_file
+    positions = list(range(rank, total, world))
+    padded = -(-total // world) * world
+    positions += [p - total for p in range(total, padded) if p % world == rank]  # padding repeats the start
+    for i in range(0, len(positions), batch):
+        chunk = positions[i : i + batch]
+        names = [f"video_{p // per_file:03d}.mp4" for p in chunk]
+        idx = [p % per_file for p in chunk]
+        frames = torch.stack([value(n, j, shape) for n, j in zip(names, idx, strict=True)])
+        yield names, idx, frames
+
+
+def _stream_store(rank, world, **kw) -> tdgather.FrameStore:
+    store = tdgather.FrameStore()
+    for names, idx, frames in stream_batches(rank, world, **kw):
+        store.add(names, idx, frames)
+    return store
+
+
+def case_stream_vs_gather(out: str, budget: int, chunk: int) -> dict | None:
+    """The same frames through Collector (many spills) and through gather(); equal on rank 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = tdgather.gather(_stream_store(rank, world), timeout=60)
+    with tdgather.Collector(out, memory_budget=budget, chunk_bytes=chunk, timeout=60, progress=False) as col:
+        for names, idx, frames in stream_batches(rank, world):
+            col.add(names, idx, frames)
+        col.update({f"extra_{rank}.jpg": (rank, value("extra", rank, (3, 16, 16)))})
+    if rank != 0:
+        assert col.summary is None
+        return None
+    reference_extra = {f"extra_{r}.jpg": [(r, value("extra", r, (3, 16, 16)))] for r in range(world)}
+    ds = tdgather.open(out)
+    assert sorted(ds) == sorted([*reference, *reference_extra])
+    for name, f in reference.items():
+        got = ds[name]
+        assert torch.equal(got.frame_idx, f.frame_idx), name
+        assert_same_value(got.frames, f.frames, name)
+    s = col.summary
+    assert s.frames == reference.stats.frames + world
+    assert s.duplicates_dropped == reference.stats.duplicates_dropped
+    segments = max(len(e["segments"]) for e in ds.index["files"].values())
+    return {
+        "shards": s.shards,
+        "segments": segments,
+        "dups": s.duplicates_dropped,
+        "frames": s.frames,
+        "per_rank": {str(k): v for k, v in s.frames_per_rank.items()},
+    }
+
+
+def case_backpressure(out: str) -> dict:
+    """Rank 0 writes slowly; a sender must wait in add() instead of queueing more than max_pending."""
+    import time as _time
+
+    from tdgather import sink
+
+    rank = dist.get_rank()
+    if rank == 0:
+        slow = sink.DatasetWriter.write
+
+        def write(self, frames):
+            _time.sleep(0.3)
+            return slow(self, frames)
+
+        sink.DatasetWriter.write = write
+    waited = 0.0
+    with tdgather.Collector(
+        out, memory_budget=1 << 20, chunk_bytes=64 << 10, max_pending=2, timeout=60, progress=False
+    ) as col:
+        if rank == 1:
+            for b in range(40):  # 40 chunks of 96 KB
+                t = _time.perf_counter()
+                col.add([f"f{b}"] * 8, list(range(8)), torch.full((8, 3000), float(b)))
+                waited += _time.perf_counter() - t
+            peak = col._side.pending_peak
+    if rank == 1:
+        return {"peak": peak, "waited": waited}
+    return {"frames": col.summary.frames if col.summary else None}
+
+
+def resident() -> dict[str, int]:
+    """Resident bytes: anonymous (data) and file-backed (library code paged in), from /proc."""
+    out = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(("RssAnon:", "RssFile:")):
+                key, value = line.split(":")
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def case_memory(out: str, budget: int, per_sender_mb: int) -> dict | None:
+    """Senders stream per_sender_mb each; rank 0 samples its resident memory while it collects."""
+    import threading
+
+    rank = dist.get_rank()
+    frame = (3, 64, 64)
+    n = per_sender_mb * 1_000_000 // (3 * 64 * 64 * 4)
+    peak, stop = {"RssAnon": 0, "RssFile": 0}, threading.Event()
+    base = resident()
+
+    def sample():
+        while not stop.is_set():
+            now = resident()
+            for k in peak:
+                peak[k] = max(peak[k], now[k] - base[k])
+            stop.wait(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    if rank == 0:
+        sampler.start()
+    with tdgather.Collector(out, memory_budget=budget, timeout=120, progress=False) as col:
+        if rank != 0:
+            for i in range(0, n, 32):
+                k = min(32, n - i)
+                col.add(
+                    [f"r{rank}_{(i + j) // 100}.mp4" for j in range(k)],
+                    [(i + j) % 100 for j in range(k)],
+                    torch.full((k, *frame), float(rank)),
+                )
+    if rank != 0:
+        return None
+    stop.set()
+    sampler.join()
+    return {"anon": peak["RssAnon"], "file": peak["RssFile"], "bytes": col.summary.bytes, "shards": col.summary.shards}
+
+
+def case_stream_error(out: str, failing_rank: int) -> dict:
+    """failing_rank raises inside the with block after sending several chunks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        with tdgather.Collector(out, memory_budget=1 << 20, chunk_bytes=32 << 10, timeout=30, progress=False) as col:
+            for b, (names, idx, frames) in enumerate(stream_batches(rank, world, files=20)):
+                if rank == failing_rank and b == 20:
+                    raise RuntimeError(f"boom on rank {rank}")
+                col.add(names, idx, frames)
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
+    return {"type": None}
+
+
+def case_stream_open(out: str, overwrite: bool) -> dict:
+    rank = dist.get_rank()
+    try:
+        with tdgather.Collector(out, overwrite=overwrite, timeout=30, progress=False) as col:
+            col.update({f"new_{rank}": (0, torch.ones(2))})
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": None}
