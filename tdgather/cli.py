@@ -38,9 +38,9 @@ def _demo(args: argparse.Namespace) -> int:
         ("frames", f"{s['frames']} in {s['filenames']} filenames (per rank {per_rank})"),
         ("bytes", _size(s["bytes"])),
         ("duplicates dropped", str(s["duplicates_dropped"])),
-        ("inference seconds", f"{s['infer_seconds']:.2f} (rank 0)"),
-        ("gather seconds", f"{s['gather_seconds']:.3f}"),
-        ("save seconds", f"{s['save_seconds']:.3f}"),
+        ("loop seconds", f"{s['loop_seconds']:.2f} (rank 0: inference while collecting)"),
+        ("close seconds", f"{s['close_seconds']:.3f} (rank 0, after its last batch; waits for slower ranks)"),
+        ("collector seconds", f"{s['seconds']:.2f} (open to close, rank 0)"),
         ("wall seconds", f"{s['wall_seconds']:.2f} (with process start)"),
         ("written to", f"{s['out']} ({s['shards']} shard(s) + tdgather.index.json)"),
     ]

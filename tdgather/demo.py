@@ -1,25 +1,23 @@
 """``tdgather demo``: a small real inference job on a local CPU world.
 
 Every rank runs the same small convolutional network over its share of a set
-of synthetic videos, keeps its per-frame outputs in a `FrameStore`, and
-`tdgather.gather` brings them to rank 0, which writes them with
-`tdgather.save`. The frames are spread unevenly over the ranks, out of order,
-and the last rank holds nothing.
+of synthetic videos and hands each batch's outputs to a `tdgather.Collector`,
+which streams them to rank 0 while the loop runs; rank 0 writes the dataset.
+The frames are spread unevenly over the ranks, out of order, and the last rank
+holds nothing.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .gather import gather
+from .collector import Collector
 from .launch import run_local_world
-from .sink import save
 
 __all__ = ["DemoNet", "assignment", "run_demo", "video_frames"]
 
@@ -73,36 +71,31 @@ def assignment(seed: int, lengths: list[int], world_size: int) -> list[list[tupl
 
 
 def _rank_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    from .store import FrameStore
-
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg["seed"])
     model = DemoNet().eval()
-    lengths = cfg["lengths"]
-    mine = assignment(cfg["seed"], lengths, world)[rank]
-    store = FrameStore()
+    mine = assignment(cfg["seed"], cfg["lengths"], world)[rank]
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(mine), cfg["batch"]):
-            batch = mine[i : i + cfg["batch"]]
-            x = torch.cat([video_frames(cfg["seed"], v, [t], cfg["size"]) for v, t in batch])
-            store.add([f"video_{v:04d}.mp4" for v, _ in batch], [t for _, t in batch], model(x))
-    infer = time.perf_counter() - t0
-    result = gather(store, timeout=cfg["timeout"])
-    if result is None:
+    with Collector(cfg["out"], overwrite=True, timeout=cfg["timeout"], progress=False) as col:
+        with torch.inference_mode():
+            for i in range(0, len(mine), cfg["batch"]):
+                batch = mine[i : i + cfg["batch"]]
+                x = torch.cat([video_frames(cfg["seed"], v, [t], cfg["size"]) for v, t in batch])
+                col.add([f"video_{v:04d}.mp4" for v, _ in batch], [t for _, t in batch], model(x))
+        loop_end = time.perf_counter()
+    s = col.summary
+    if s is None:
         return None
-    t1 = time.perf_counter()
-    save(result, cfg["out"], overwrite=True, metadata={"source": "tdgather demo"})
     return {
-        "frames": result.stats.frames,
-        "bytes": result.stats.bytes,
-        "filenames": len(result),
-        "frames_per_rank": result.stats.frames_per_rank,
-        "duplicates_dropped": result.stats.duplicates_dropped,
-        "infer_seconds": infer,
-        "gather_seconds": result.stats.seconds,
-        "save_seconds": time.perf_counter() - t1,
-        "shards": len(list(Path(cfg["out"]).glob("*.safetensors"))),
+        "frames": s.frames,
+        "bytes": s.bytes,
+        "filenames": len(cfg["lengths"]),
+        "frames_per_rank": s.frames_per_rank,
+        "duplicates_dropped": s.duplicates_dropped,
+        "loop_seconds": loop_end - t0,
+        "close_seconds": s.close_seconds,
+        "seconds": s.seconds,
+        "shards": s.shards,
     }
 
 
