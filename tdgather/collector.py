@@ -327,6 +327,7 @@ class _Destination(_Side):
         self.lost: set[int] = set()
         self.local_ended = False
         self.received = dict.fromkeys(sorted([rank, *peers]), 0)
+        self.received_bytes = dict.fromkeys(sorted([rank, *peers]), 0)
         self.duplicates = 0
         # Peak on rank dst, in chunks c: one payload per receiver (W - 1) + the inbox (max_pending)
         # + the buffer (spill + c) + the merge's copy of split files (spill + c). With the default
@@ -339,7 +340,7 @@ class _Destination(_Side):
             raise
         self._answer_all(Kind.DONE, {"frames": 0}, final=False)  # 1. ready
         enabled = col.progress if col.progress is not None else sys.stderr.isatty()
-        self.bar = tqdm(desc="tdgather", unit=" frames", disable=not enabled, dynamic_ncols=True)
+        self.bar = tqdm(desc="tdgather", unit=" frames", disable=not enabled, dynamic_ncols=True, file=sys.stderr)
         self.receivers = [
             threading.Thread(target=self._receive_loop, args=(p,), name=f"tdgather-recv-{p}", daemon=True)
             for p in peers
@@ -386,12 +387,14 @@ class _Destination(_Side):
             try:
                 parts = local_parts(item, src) if kind == "local" else item
                 frames = sum(sum(p.counts) for p in parts)
+                size = sum(p.frame_idx.numel() * p.layout.frame_nbytes for p in parts)
                 self.received[src] += frames
-                self.bar.update(frames)
+                self.received_bytes[src] += size
+                self._progress(frames)
                 if self.failure is not None:
                     continue
                 buffered += parts
-                nbytes += sum(p.frame_idx.numel() * p.layout.frame_nbytes for p in parts)
+                nbytes += size
                 if nbytes >= self.spill_bytes:
                     self._spill(buffered)
                     buffered, nbytes = [], 0
@@ -407,7 +410,15 @@ class _Destination(_Side):
         merged, dropped = merge(parts)
         self.duplicates += dropped
         self.writer.write(merged)
-        self.bar.set_postfix_str(f"{self.writer.nbytes / 1e6:.0f} MB, {len(self.writer.shards)} shards", refresh=False)
+
+    def _progress(self, frames: int) -> None:
+        if self.bar.disable:
+            return
+        ranks = self.received_bytes.items()
+        per_rank = " ".join(f"r{r}:{self.received[r]}/{b / 1e6:.0f}MB" for r, b in ranks) if len(ranks) <= 8 else ""
+        total = sum(self.received_bytes.values()) / 1e6
+        self.bar.set_postfix_str(f"{total:.0f} MB, {len(self.writer.shards)} shards {per_rank}", refresh=False)
+        self.bar.update(frames)
 
     def _fail(self, e: BaseException) -> None:
         if self.fail(e):

@@ -82,3 +82,23 @@ def test_local_collector_without_distributed(tmp_path):
     assert col.summary.frames == 200 and col.summary.frames_per_rank == {0: 200}
     ds = tdgather.open(tmp_path / "ds")
     assert ds["v1"].frame_idx.tolist() == [b * 10 + k for b in range(1, 20, 3) for k in range(10)]
+
+
+@pytest.mark.parametrize("progress", [True, False, None])
+def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys, progress):
+    with tdgather.Collector(tmp_path / "ds", chunk_bytes=1024, progress=progress) as col:
+        for b in range(5):
+            col.add(["v"] * 4, [b * 4 + k for k in range(4)], torch.ones(4, 100))
+    err = capsys.readouterr().err
+    if progress:
+        assert "tdgather" in err and "20 frames" in err and "r0:20/" in err
+    else:  # pytest's stderr is not a terminal, so None means off
+        assert err == ""
+
+
+def test_summary_is_logged_when_asked(tmp_path, caplog):
+    caplog.set_level("INFO", logger="tdgather")
+    with tdgather.Collector(tmp_path / "ds", progress=False, log_summary=True) as col:
+        col.update({"a": (0, torch.ones(3))})
+    assert "tdgather: 1 frames" in caplog.text and str(col.summary) in caplog.text
+    assert col.summary.throughput_mb_s > 0 and col.summary.shards == 1
