@@ -9,6 +9,10 @@ test:
 	./scripts/setup.sh test
 	.venv/bin/python -m pytest
 
+bench:
+	./scripts/setup.sh bench
+	.venv/bin/tdgather bench --quick
+
 lint:
 	./scripts/setup.sh dev
 	.venv/bin/ruff check tdgather tests benchmarks

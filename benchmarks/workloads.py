@@ -1,11 +1,11 @@
 """The benchmark workloads, as per-rank batches of ``(filenames, frame_idx, frames)``.
 
 Frames are assigned to ranks by global position: round-robin, as
-``DistributedSampler`` does, except for ``skewed`` (one rank holds 70%, one none).
+``DistributedSampler`` does, except for ``skewed`` (rank 1 holds 70%, the last none).
 
 - ``large``: 3x64x64 float32 frames, 629 MB in all;
 - ``tiny``: 400k frames of 16 float32;
-- ``skewed``: 3x32x32 float32 frames, 246 MB, rank 0 holds 70%, the last rank none;
+- ``skewed``: 3x32x32 float32 frames, 246 MB, rank 1 holds 70%, the last rank none;
 - ``mixed``: shapes and dtypes (float32, bfloat16, uint8, bool, float16, int16) differ by filename.
 """
 
@@ -52,18 +52,23 @@ def _frames(dtype: torch.dtype, shape: tuple[int, ...], n: int, seed: int) -> to
 def _owner(name: str, positions: torch.Tensor, total: int, world: int) -> torch.Tensor:
     if name != "skewed" or world == 1:
         return positions % world
-    # rank 0 holds the first 70%, the last rank nothing, the others share the rest
+    # rank 1 holds the first 70%; the rest goes round-robin to rank 0 and the middle ranks;
+    # the last rank holds nothing (with two ranks, rank 0 takes the rest)
     cut = int(total * 0.7)
-    others = max(1, world - 2)
-    rest = 1 + (positions - cut) % others if world > 2 else torch.zeros_like(positions)
-    return torch.where(positions < cut, torch.zeros_like(positions), rest)
+    others = torch.tensor([0, *range(2, world - 1)]) if world > 2 else torch.tensor([0])
+    rest = others[(positions - cut) % others.numel()]
+    return torch.where(positions < cut, torch.ones_like(positions), rest)
 
 
 def batches(
-    name: str, rank: int, world: int, batch: int = 64
+    name: str, rank: int, world: int, batch: int = 64, scale: float = 1.0
 ) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor]]:
-    """Yield rank ``rank``'s frames of a workload in inference-sized batches, grouped by layout."""
+    """Yield rank ``rank``'s frames of a workload in inference-sized batches, grouped by layout.
+
+    ``scale`` shrinks the number of filenames (the ``--quick`` preset uses 0.1).
+    """
     files, per_file = WORKLOADS[name]
+    files = max(1, round(files * scale))
     total = files * per_file
     positions = torch.arange(total)
     mine = positions[_owner(name, positions, total, world) == rank]
@@ -84,9 +89,10 @@ def batches(
         start = stop
 
 
-def describe(name: str) -> str:
+def describe(name: str, scale: float = 1.0) -> str:
     """One line for a report."""
     files, per_file = WORKLOADS[name]
+    files = max(1, round(files * scale))
     if name == "mixed":
         return f"{files} filenames x {per_file} frames; {len(_MIXED)} dtype/shape kinds by filename"
     dtype, shape = _spec(name, 0)

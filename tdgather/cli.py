@@ -1,7 +1,7 @@
 """The ``tdgather`` command: a thin layer over the library.
 
 ``tdgather demo`` runs the demo job on a local CPU world; ``tdgather inspect
-PATH`` describes a saved dataset.
+PATH`` describes a saved dataset; ``tdgather bench`` runs the benchmark suite.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from .errors import TdgatherError
 
@@ -69,6 +70,20 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(argv: list[str]) -> int:
+    repo = Path(__file__).resolve().parent.parent
+    if not (repo / "benchmarks" / "suite.py").is_file():
+        print(
+            "tdgather bench runs the suite in benchmarks/ of a source checkout; none is beside this install",
+            file=sys.stderr,
+        )
+        return 2
+    sys.path.insert(0, str(repo))
+    from benchmarks.suite import main as bench_main
+
+    return bench_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = argparse.ArgumentParser(prog="tdgather", description=__doc__.splitlines()[0])
@@ -88,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--limit", type=int, default=50, help="filenames to list (default 50)")
     inspect.add_argument("--all", action="store_true", help="list every filename")
     inspect.set_defaults(run=_inspect)
+    sub.add_parser("bench", help="benchmark against gather_object, tensordict, padding and the raw limit")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # the suite parses its own options (tdgather bench --help)
+        return _bench(argv[1:])
     args = parser.parse_args(argv)
     try:
         return args.run(args)

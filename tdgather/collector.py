@@ -386,7 +386,7 @@ class _Destination(_Side):
                 continue
             try:
                 parts = local_parts(item, src) if kind == "local" else item
-                frames = sum(sum(p.counts) for p in parts)
+                frames = sum(p.frame_idx.numel() for p in parts)
                 size = sum(p.frame_idx.numel() * p.layout.frame_nbytes for p in parts)
                 self.received[src] += frames
                 self.received_bytes[src] += size

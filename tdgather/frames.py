@@ -22,7 +22,18 @@ from tensordict.base import TensorDictBase
 from ._dtypes import dtype_from_name, dtype_name, supported_list
 from .errors import UnsupportedValueError
 
-__all__ = ["Frames", "Layout", "Leaf", "Part", "flatten", "rebuild", "row_view", "run_start", "scatter_rows"]
+__all__ = [
+    "Frames",
+    "Layout",
+    "Leaf",
+    "Part",
+    "flatten",
+    "gather_rows",
+    "rebuild",
+    "row_view",
+    "run_start",
+    "scatter_rows",
+]
 
 Path = tuple[str, ...]
 _JSON_SCALARS = (str, int, float, bool, type(None))
@@ -110,16 +121,17 @@ class Layout:
 
 @dataclass
 class Part:
-    """Frames of one layout from one rank, sorted by file then ``frame_idx``.
+    """Frames of one layout from one rank, rows in any order.
 
-    ``files[i]`` owns the next ``counts[i]`` rows of ``frame_idx``, of every
-    tensor in ``leaves`` (``[N, *leaf.shape]``) and of every list in ``json``.
+    Row ``r`` of ``frame_idx``, of every tensor in ``leaves`` (``[N, *leaf.shape]``) and of
+    every list in ``json`` belongs to filename ``files[rows[r]]``. A received part is sorted by
+    file then ``frame_idx``; a part made from rank dst's own store keeps the order of ``add``.
     """
 
     rank: int
     layout: Layout
     files: list[str]
-    counts: list[int]
+    rows: torch.Tensor  # int64 [N]: index into files
     frame_idx: torch.Tensor
     leaves: list[torch.Tensor]
     json: list[list]
@@ -272,6 +284,13 @@ def row_view(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
     width = width or _row_width(t)
     nbytes = math.prod(t.shape[1:]) * t.dtype.itemsize
     return t.view(-1).view(torch.uint8).view(_WIDTHS[width]).view(t.shape[0], nbytes // width)
+
+
+def gather_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+    """``dst[i] = src[index[i]]`` for whole rows, bit-exact, in one kernel."""
+    src = src.contiguous()
+    width = min(_row_width(dst), _row_width(src))
+    torch.index_select(row_view(src, width), 0, index, out=row_view(dst, width))
 
 
 def scatter_rows(dst: torch.Tensor, target: int | torch.Tensor, src: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ def _merge_layout(layout: Layout, group: list[Part], out: dict[str, Frames]) -> 
     fid = {n: i for i, n in enumerate(names)}
     sizes = [p.frame_idx.numel() for p in group]
     bases = torch.tensor([0, *sizes]).cumsum(0)
-    fids = torch.cat([torch.tensor([fid[n] for n in p.files]).repeat_interleave(torch.tensor(p.counts)) for p in group])
+    fids = torch.cat([torch.tensor([fid[n] for n in p.files], dtype=torch.int64)[p.rows] for p in group])
     idx = torch.cat([p.frame_idx for p in group])
     # 1. sort by (file, frame_idx)
     order = torch.argsort(idx, stable=True)

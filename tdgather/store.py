@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ShapeMismatchError, UnsupportedValueError
-from .frames import Layout, flatten, run_start
+from .frames import Layout, Part, flatten, run_start
 
 __all__ = ["FrameStore", "GroupPlan", "as_store"]
 
@@ -44,6 +44,7 @@ class GroupPlan:
     frame_idx: torch.Tensor
     chunks: list[_Chunk]
     targets: list[int | torch.Tensor]
+    order: torch.Tensor  # destination row i holds row order[i] of the chunks' concatenation
     json: list[list]
 
     @property
@@ -186,8 +187,24 @@ class FrameStore:
                 perm = order.tolist()
                 json = [[vals[k] for k in perm] for vals in json]
             files = [self._names[i] for i in uniq.tolist()]
-            plans.append(GroupPlan(layout, files, counts.tolist(), idx[order], chunks, targets, json))
+            plans.append(GroupPlan(layout, files, counts.tolist(), idx[order], chunks, targets, order, json))
         return plans
+
+    def parts(self, rank: int) -> list[Part]:
+        """The frames as parts that view the stored chunks, unsorted: no copy (rank dst's own frames)."""
+        self.synchronize()
+        out = []
+        for layout, chunks in self._chunks.items():
+            for c in chunks:
+                uniq, rows = torch.unique(c.file_ids, return_inverse=True)
+                files = [self._names[i] for i in uniq.tolist()]
+                out.append(Part(rank, layout, files, rows, c.frame_idx, c.tensors, c.json))
+        return out
+
+    @property
+    def num_chunks(self) -> int:
+        """Batches held (each ``add`` or ``update`` layout group is one)."""
+        return sum(len(c) for c in self._chunks.values())
 
 
 def as_store(predictions: FrameStore | Mapping[str, Any]) -> FrameStore:

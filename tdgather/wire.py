@@ -25,7 +25,7 @@ import torch
 
 from ._dtypes import dtype_from_name, dtype_name
 from .errors import ProtocolError
-from .frames import Layout, Part, scatter_rows
+from .frames import Layout, Part, gather_rows, scatter_rows
 from .store import FrameStore
 
 __all__ = [
@@ -52,6 +52,7 @@ MAGIC = int.from_bytes(b"tdgather", "big")
 VERSION = 1
 PRELUDE_LEN = 8
 ALIGN = 64  # every leaf starts at a multiple of this, so views of any dtype are aligned
+_SMALL_CHUNK = 1 << 20  # below this average batch size, packing gathers rows in one kernel
 
 
 class Kind(IntEnum):
@@ -359,6 +360,9 @@ def pack(store: FrameStore) -> tuple[dict, torch.Tensor]:
             payload[start : start + nbytes].view(dt).copy_(plan.frame_idx)
             continue
         rows = payload[start : start + nbytes].view(plan.num_frames, nbytes // plan.num_frames)
+        if len(plan.chunks) > 8 and nbytes < len(plan.chunks) * _SMALL_CHUNK:  # many small batches: one gather
+            gather_rows(rows, torch.cat([c.tensors[leaf] for c in plan.chunks]), plan.order)
+            continue
         for chunk, target in zip(plan.chunks, plan.targets, strict=True):
             scatter_rows(rows, target, chunk.tensors[leaf])
     return {"parts": parts}, payload
@@ -381,7 +385,7 @@ def unpack(header: DataHeader, payload: torch.Tensor, rank: int) -> list[Part]:
             rank,
             p.layout,
             list(p.files),
-            list(p.counts),
+            torch.arange(len(p.files)).repeat_interleave(torch.tensor(p.counts, dtype=torch.int64)),
             view(p.frame_idx).to(torch.int64),
             [view(s) for s in p.leaves],
             list(p.json),
@@ -391,7 +395,13 @@ def unpack(header: DataHeader, payload: torch.Tensor, rank: int) -> list[Part]:
 
 
 def local_parts(store: FrameStore, rank: int) -> list[Part]:
-    """The parts rank ``rank`` would send, without sending: packed (sorted, one copy) and unpacked."""
+    """Rank dst's own frames as parts: views of its chunks when they are large, else packed (one copy).
+
+    Large chunks go to the merge as they are, so whole files stay views and split ones are copied
+    once. Many small chunks are packed first: one sorted gather beats a scatter per chunk.
+    """
+    if store.nbytes >= store.num_chunks * _SMALL_CHUNK:
+        return store.parts(rank)
     header, payload = pack(store)
     return unpack(decode_header(header, Kind.DATA, rank, payload.numel()), payload, rank)
 

@@ -86,3 +86,21 @@ def test_json_leaves_follow_their_rows():
     out, _ = merge(parts)
     assert out["v"].frame_idx.tolist() == [0, 1, 3, 4]
     assert out["v"].frames["label"] == ["r0-0", "r1-1", "r1-3", "r0-4"]
+
+
+def test_own_large_chunks_are_merged_without_packing():
+    from tdgather.wire import local_parts
+
+    store = tdgather.FrameStore()
+    big = [torch.full((300, 1024), float(k)) for k in range(3)]  # 1.2 MB batches
+    store.add(["a"] * 300, list(range(300)), big[0])  # a whole file, in order: a view of the user's tensor
+    store.add(["b"] * 150 + ["c"] * 150, list(range(150, 300)) + list(range(150)), big[1])
+    store.add(["b"] * 150 + ["c"] * 150, list(range(150)) + list(range(150, 300)), big[2])
+    parts = local_parts(store, 0)
+    assert len(parts) == 3  # no pack: the store's own chunks
+    assert parts[0].leaves[0].data_ptr() == big[0].data_ptr()
+    out, _ = merge(parts)
+    assert out["a"].frames.untyped_storage().data_ptr() == big[0].untyped_storage().data_ptr()
+    assert out["b"].frame_idx.tolist() == list(range(300)) and out["c"].frame_idx.tolist() == list(range(300))
+    assert torch.equal(out["b"].frames[:150], big[2][:150]) and torch.equal(out["b"].frames[150:], big[1][:150])
+    assert torch.equal(out["c"].frames[:150], big[1][150:]) and torch.equal(out["c"].frames[150:], big[2][150:])

@@ -1,0 +1,218 @@
+"""The methods compared, each as one call made on every rank of a gloo world.
+
+Every method gets the same rank data: a list of inference batches ``(filenames, frame_idx,
+frames[B, ...])`` from `benchmarks.workloads`, and a dict view of them
+``{filename: [(frame_idx, frame), ...]}`` (built before timing, frames are views of the
+batches). Each method moves every rank's frames to rank 0. Packing (building a TensorDict,
+padding) is inside the timed call, as it is for tdgather.
+
+- ``raw_p2p``: the physical limit of this transport: each rank sends one pre-sized uint8 buffer
+  of its frame bytes with ``send``; rank 0 posts one ``irecv`` per peer. No packing.
+- ``tdgather_store``: `FrameStore.add` per batch, then `tdgather.gather`.
+- ``tdgather_dict``: `tdgather.gather` of the dict.
+- ``tdgather_collector``: `tdgather.Collector` (streaming, to disk): ``add`` per batch.
+- ``gather_object`` / ``all_gather_object``: torch.distributed's pickling collectives, of the dict.
+- ``td_remote``: tensordict's ``init_remote`` / ``from_remote_init``, one TensorDict per rank.
+- ``td_gather_and_stack``: tensordict's ``gather_and_stack``; only when every sender holds the same
+  number of frames of one layout.
+- ``pad_all_gather``: the torchmetrics / accelerate pattern, written inline: all-gather the sizes,
+  pad each tensor to the largest, ``all_gather``, trim.
+- ``disk_raw``: the disk's limit: rank 0 writes the same total bytes sequentially and fsyncs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+import tdgather
+
+__all__ = ["METHODS", "RankData", "applicable"]
+
+
+@dataclass
+class RankData:
+    """One rank's share of a workload, and where a method may write."""
+
+    batches: list[tuple[list[str], torch.Tensor, torch.Tensor]]
+    nbytes: int
+    sizes: list[int]  # frame bytes per rank
+    scratch: str
+    as_dict: dict = field(default_factory=dict)
+    collector_budget: int = 256 << 20
+    last_add: float = 0.0
+
+    @staticmethod
+    def build(batches: list, scratch: str) -> RankData:
+        nbytes = sum(f.numel() * f.element_size() for _, _, f in batches)
+        sizes = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+        sizes[dist.get_rank()] = nbytes
+        dist.all_reduce(sizes)
+        as_dict: dict = {}
+        for names, idx, frames in batches:
+            # per-frame copies: a view would make pickle serialise the whole batch's storage with each frame
+            for name, i, frame in zip(names, idx.tolist(), frames, strict=True):
+                as_dict.setdefault(name, []).append((i, frame.clone()))
+        return RankData(batches, nbytes, sizes.tolist(), scratch, as_dict)
+
+
+def raw_p2p(d: RankData) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        bufs = [torch.empty(d.sizes[r], dtype=torch.uint8) for r in range(1, world)]
+        works = [dist.irecv(b, src=r) for r, b in zip(range(1, world), bufs, strict=True) if b.numel()]
+        for w in works:
+            w.wait()
+    elif d.nbytes:
+        if not hasattr(d, "_raw"):  # pre-sized once, outside the timing: this is the limit, not a method
+            d._raw = torch.empty(d.nbytes, dtype=torch.uint8).fill_(1)
+        dist.send(d._raw, dst=0)
+
+
+def tdgather_store(d: RankData) -> None:
+    store = tdgather.FrameStore()
+    for names, idx, frames in d.batches:
+        store.add(names, idx, frames)
+    tdgather.gather(store)
+
+
+def tdgather_dict(d: RankData) -> None:
+    tdgather.gather(d.as_dict)
+
+
+def tdgather_collector(d: RankData) -> None:
+    path = os.path.join(d.scratch, f"collector-{time.monotonic_ns()}")
+    with tdgather.Collector(path, memory_budget=d.collector_budget, progress=False) as col:
+        for names, idx, frames in d.batches:
+            col.add(names, idx, frames)
+        d.last_add = time.time()
+
+
+def gather_object(d: RankData) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = [None] * world if rank == 0 else None
+    dist.gather_object(d.as_dict, out, dst=0)
+
+
+def all_gather_object(d: RankData) -> None:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, d.as_dict)
+
+
+def _rank_tensordict(d: RankData) -> TensorDict:
+    """One TensorDict per rank: per layout, frames, frame_idx and integer file ids (no names)."""
+    groups: dict[str, list] = {}
+    for names, idx, frames in d.batches:
+        key = f"{str(frames.dtype).removeprefix('torch.')}_{'x'.join(map(str, frames.shape[1:]))}"
+        groups.setdefault(key, []).append((names, idx, frames))
+    out = {}
+    for key, items in sorted(groups.items()):
+        files = torch.tensor([int(n.split("_")[-1].split(".")[0]) for names, _, _ in items for n in names])
+        frames = torch.cat([f for _, _, f in items])
+        out[key] = TensorDict(
+            {"frames": frames, "frame_idx": torch.cat([i for _, i, _ in items]), "file": files},
+            batch_size=[frames.shape[0]],
+        )
+    return TensorDict(out, batch_size=[])
+
+
+def td_remote(d: RankData) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        for src in range(1, world):
+            TensorDict.from_remote_init(src=src)
+    else:
+        _rank_tensordict(d).init_remote(dst=0)
+
+
+def td_gather_and_stack(d: RankData) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _, _, frames = d.batches[0] if d.batches else (None, None, None)
+    if rank == 0:
+        n = d.sizes[1] // (frames[0].numel() * frames.element_size())
+        rows = TensorDict(
+            {
+                "frames": torch.empty((world - 1, n, *frames.shape[1:]), dtype=frames.dtype),
+                "frame_idx": torch.empty((world - 1, n), dtype=torch.int64),
+            },
+            batch_size=[world - 1, n],
+        )
+        rows.gather_and_stack(dst=0)
+    else:
+        td = TensorDict(
+            {"frames": torch.cat([f for _, _, f in d.batches]), "frame_idx": torch.cat([i for _, i, _ in d.batches])},
+            batch_size=[sum(i.numel() for _, i, _ in d.batches)],
+        )
+        td.gather_and_stack(dst=0)
+
+
+def pad_all_gather(d: RankData) -> None:
+    """torchmetrics' gather_all_tensors / accelerate's pad_across_processes + gather, per layout."""
+    world = dist.get_world_size()
+    layouts: dict[tuple, list] = {}
+    for _, idx, frames in d.batches:
+        layouts.setdefault((frames.dtype, tuple(frames.shape[1:])), []).append((idx, frames))
+    keys = [None] * world
+    dist.all_gather_object(keys, sorted(layouts, key=str))  # which layouts exist anywhere (tiny)
+    every = sorted({k for ks in keys for k in ks}, key=str)
+    for dtype, shape in every:
+        items = layouts.get((dtype, shape), [])
+        local = torch.cat([f for _, f in items]) if items else torch.empty((0, *shape), dtype=dtype)
+        idx = torch.cat([i for i, _ in items]) if items else torch.empty(0, dtype=torch.int64)
+        for t in (local, idx):
+            size = torch.tensor([t.shape[0]])
+            sizes = [torch.zeros_like(size) for _ in range(world)]
+            dist.all_gather(sizes, size)  # 1. sizes
+            most = int(max(s.item() for s in sizes))
+            padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype)  # 2. pad to the largest
+            padded[: t.shape[0]] = t
+            row = t[0].numel() * t.element_size() if t.dim() else t.element_size()
+            padded = padded.reshape(-1).view(torch.uint8).view(most, row)  # gloo takes no bf16/bool: bytes
+            out = [torch.empty_like(padded) for _ in range(world)]
+            dist.all_gather(out, padded)  # 3. gather
+            [o[: int(s)] for o, s in zip(out, sizes, strict=True)]  # 4. trim
+
+
+def disk_raw(d: RankData) -> None:
+    if dist.get_rank() != 0:
+        return
+    total = sum(d.sizes)
+    if not hasattr(d, "_block"):
+        d._block = torch.ones(8 << 20, dtype=torch.uint8).numpy()
+    path = os.path.join(d.scratch, f"raw-{time.monotonic_ns()}")
+    with open(path, "wb") as fh:
+        left = total
+        while left > 0:
+            n = min(left, d._block.size)
+            fh.write(memoryview(d._block)[:n])
+            left -= n
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.unlink(path)
+
+
+METHODS: dict[str, Callable[[RankData], None]] = {
+    "raw_p2p": raw_p2p,
+    "tdgather_store": tdgather_store,
+    "tdgather_dict": tdgather_dict,
+    "tdgather_collector": tdgather_collector,
+    "gather_object": gather_object,
+    "all_gather_object": all_gather_object,
+    "td_remote": td_remote,
+    "td_gather_and_stack": td_gather_and_stack,
+    "pad_all_gather": pad_all_gather,
+    "disk_raw": disk_raw,
+}
+
+
+def applicable(method: str, workload: str) -> bool:
+    """gather_and_stack needs every sender to hold the same number of frames of one layout."""
+    if method == "td_gather_and_stack":
+        return workload in ("large", "tiny")
+    return True

@@ -1,0 +1,160 @@
+"""``tdgather bench``: tdgather against the usual methods and the physical limit, in one run.
+
+Every (world size, workload, method) runs in a fresh local gloo world (its own processes).
+Each rank generates its share of the workload (untimed), calls the method once to warm up, then
+``--repeats`` times between barriers. The figure is rank 0's wall time from the barrier to the
+method's return on rank 0 (the moment rank 0 holds everything), median of the repeats. Rank 0
+samples its anonymous resident memory every 2 ms; the peak above the value before each call,
+over the bytes it received, is the memory multiple.
+
+Run ``python -m benchmarks.suite --help`` (or ``tdgather bench --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import shlex
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tdgather.launch import WorldError, run_local_world
+
+from .methods import METHODS, RankData, applicable
+from .report import write_report
+from .workloads import WORKLOADS, batches
+
+QUICK = {"scale": 0.1, "repeats": 2, "worlds": [2, 4]}
+FULL = {"scale": 1.0, "repeats": 3, "worlds": [2, 4]}
+
+
+def anon_bytes() -> int:
+    """Anonymous resident memory of this process (Linux), in bytes."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _PeakSampler:
+    def __init__(self) -> None:
+        self.base = self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def reset(self) -> None:
+        self.base = anon_bytes()
+        self.peak = 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, anon_bytes() - self.base)
+
+    def stop(self) -> int:
+        self.peak = max(self.peak, anon_bytes() - self.base)
+        return self.peak
+
+
+def bench_rank(method: str, workload: str, scale: float, repeats: int, scratch: str, budget: int) -> dict:
+    """Run on every rank: prepare, warm up, time ``repeats`` calls; rank 0 returns the figures."""
+    rank = dist.get_rank()
+    data = RankData.build(list(batches(workload, rank, dist.get_world_size(), scale=scale)), scratch)
+    data.collector_budget = budget
+    if method == "td_gather_and_stack" and len(set(data.sizes[1:])) != 1:
+        return {"skipped": "senders hold different frame counts"}
+    fn = METHODS[method]
+    fn(data)  # warm-up
+    sampler = _PeakSampler() if rank == 0 else None
+    times, peaks, closes = [], [], []
+    for _ in range(repeats):
+        gc.collect()
+        dist.barrier()
+        if sampler:
+            sampler.reset()
+        start = time.perf_counter()
+        fn(data)
+        seconds = time.perf_counter() - start
+        done = time.time()
+        if sampler:
+            peaks.append(sampler.stop())
+        times.append(seconds)
+        if method == "tdgather_collector":
+            last = [0.0] * dist.get_world_size()
+            dist.all_gather_object(last, data.last_add)
+            closes.append(done - max(last))
+    dist.barrier()
+    if rank != 0:
+        return {}
+    return {"times": times, "peaks": peaks, "closes": closes, "received": sum(data.sizes[1:]), "total": sum(data.sizes)}
+
+
+def run_suite(
+    worlds: list[int], workloads: list[str], methods: list[str], scale: float, repeats: int, budget: int, timeout: float
+) -> list[dict]:
+    """Run every combination; return one row per (world, workload, method)."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tdgather-bench-") as scratch:
+        for world in worlds:
+            for workload in workloads:
+                for method in methods:
+                    if not applicable(method, workload):
+                        continue
+                    t0 = time.perf_counter()
+                    row = {"world": world, "workload": workload, "method": method}
+                    try:
+                        row |= run_local_world(
+                            bench_rank, world, method, workload, scale, repeats, scratch, budget, timeout=timeout
+                        )[0]
+                    except WorldError as e:
+                        row["error"] = str(e).splitlines()[0] + " " + _last_error_line(e)
+                    rows.append(row)
+                    status = row.get("error") or row.get("skipped") or f"median {statistics.median(row['times']):.3f} s"
+                    print(
+                        f"world {world} {workload:<7} {method:<20} {status}  ({time.perf_counter() - t0:.1f} s)",
+                        flush=True,
+                    )
+    return rows
+
+
+def _last_error_line(e: WorldError) -> str:
+    lines = [line for msg in e.failures.values() for line in msg.strip().splitlines()]
+    return lines[-1] if lines else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tdgather bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small workloads (x0.1), 2 repeats: under 2 minutes")
+    parser.add_argument("--worlds", type=int, nargs="+", help="world sizes (default 2 4)")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    parser.add_argument("--repeats", type=int, help="timed repeats after the warm-up (default 3, quick 2)")
+    parser.add_argument("--scale", type=float, help="workload scale (default 1, quick 0.1)")
+    parser.add_argument("--budget-mib", type=int, default=256, help="the Collector's memory budget")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for one method's world")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="where the report goes")
+    parser.add_argument("--no-report", action="store_true", help="print only, write no report")
+    args = parser.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    worlds = args.worlds or preset["worlds"]
+    scale = args.scale if args.scale is not None else preset["scale"]
+    repeats = args.repeats or preset["repeats"]
+    t0 = time.perf_counter()
+    rows = run_suite(worlds, args.workloads, args.methods, scale, repeats, args.budget_mib << 20, args.timeout)
+    command = "tdgather bench " + shlex.join(argv if argv is not None else sys.argv[1:])
+    print(f"suite: {time.perf_counter() - t0:.0f} s")
+    if not args.no_report:
+        md = write_report(rows, Path(args.out), command, scale, repeats, args.budget_mib, time.perf_counter() - t0)
+        print(f"report: {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
