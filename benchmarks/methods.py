@@ -214,5 +214,5 @@ METHODS: dict[str, Callable[[RankData], None]] = {
 def applicable(method: str, workload: str) -> bool:
     """gather_and_stack needs every sender to hold the same number of frames of one layout."""
     if method == "td_gather_and_stack":
-        return workload in ("large", "tiny")
+        return workload in ("large", "large_whole", "tiny")
     return True

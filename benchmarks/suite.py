@@ -30,8 +30,8 @@ from .methods import METHODS, RankData, applicable
 from .report import write_report
 from .workloads import WORKLOADS, batches
 
-QUICK = {"scale": 0.1, "repeats": 2, "worlds": [2, 4]}
-FULL = {"scale": 1.0, "repeats": 3, "worlds": [2, 4]}
+QUICK = {"scale": 0.03, "repeats": 2, "worlds": [2, 4], "workloads": ["large", "tiny", "skewed", "mixed"]}
+FULL = {"scale": 1.0, "repeats": 3, "worlds": [2, 4], "workloads": list(WORKLOADS)}
 
 
 def anon_bytes() -> int:
@@ -131,12 +131,12 @@ def _last_error_line(e: WorldError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tdgather bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small workloads (x0.1), 2 repeats: under 2 minutes")
+    parser.add_argument("--quick", action="store_true", help="small workloads (x0.03), 2 repeats: under 2 minutes")
     parser.add_argument("--worlds", type=int, nargs="+", help="world sizes (default 2 4)")
-    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), help="default: all (quick: not large_whole)")
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     parser.add_argument("--repeats", type=int, help="timed repeats after the warm-up (default 3, quick 2)")
-    parser.add_argument("--scale", type=float, help="workload scale (default 1, quick 0.1)")
+    parser.add_argument("--scale", type=float, help="workload scale (default 1, quick 0.03)")
     parser.add_argument("--budget-mib", type=int, default=256, help="the Collector's memory budget")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for one method's world")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="where the report goes")
@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     scale = args.scale if args.scale is not None else preset["scale"]
     repeats = args.repeats or preset["repeats"]
     t0 = time.perf_counter()
-    rows = run_suite(worlds, args.workloads, args.methods, scale, repeats, args.budget_mib << 20, args.timeout)
+    rows = run_suite(
+        worlds, args.workloads or preset["workloads"], args.methods, scale, repeats, args.budget_mib << 20, args.timeout
+    )
     command = "tdgather bench " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(f"suite: {time.perf_counter() - t0:.0f} s")
     if not args.no_report:

@@ -3,7 +3,8 @@
 Frames are assigned to ranks by global position: round-robin, as
 ``DistributedSampler`` does, except for ``skewed`` (rank 1 holds 70%, the last none).
 
-- ``large``: 3x64x64 float32 frames, 629 MB in all;
+- ``large``: 3x64x64 float32 frames, 629 MB in all, every video split over the ranks;
+- ``large_whole``: the same frames, each video on one rank (a sampler over videos);
 - ``tiny``: 400k frames of 16 float32;
 - ``skewed``: 3x32x32 float32 frames, 246 MB, rank 1 holds 70%, the last rank none;
 - ``mixed``: shapes and dtypes (float32, bfloat16, uint8, bool, float16, int16) differ by filename.
@@ -18,7 +19,13 @@ import torch
 __all__ = ["WORKLOADS", "batches", "describe"]
 
 # name -> (filenames, frames per filename)
-WORKLOADS = {"large": (64, 200), "tiny": (4_000, 100), "skewed": (100, 200), "mixed": (600, 20)}
+WORKLOADS = {
+    "large": (64, 200),
+    "large_whole": (64, 200),
+    "tiny": (4_000, 100),
+    "skewed": (100, 200),
+    "mixed": (600, 20),
+}
 _MIXED = [
     (torch.float32, (3, 32, 32)),
     (torch.bfloat16, (8, 24)),
@@ -30,7 +37,7 @@ _MIXED = [
 
 
 def _spec(name: str, file: int) -> tuple[torch.dtype, tuple[int, ...]]:
-    if name == "large":
+    if name in ("large", "large_whole"):
         return torch.float32, (3, 64, 64)
     if name == "tiny":
         return torch.float32, (16,)
@@ -49,7 +56,9 @@ def _frames(dtype: torch.dtype, shape: tuple[int, ...], n: int, seed: int) -> to
     return x.to(dtype)
 
 
-def _owner(name: str, positions: torch.Tensor, total: int, world: int) -> torch.Tensor:
+def _owner(name: str, positions: torch.Tensor, total: int, world: int, per_file: int) -> torch.Tensor:
+    if name == "large_whole":  # whole videos per rank, as a sampler over videos gives
+        return (positions // per_file) % world
     if name != "skewed" or world == 1:
         return positions % world
     # rank 1 holds the first 70%; the rest goes round-robin to rank 0 and the middle ranks;
@@ -71,7 +80,7 @@ def batches(
     files = max(1, round(files * scale))
     total = files * per_file
     positions = torch.arange(total)
-    mine = positions[_owner(name, positions, total, world) == rank]
+    mine = positions[_owner(name, positions, total, world, per_file) == rank]
     file_of, idx_of = mine // per_file, mine % per_file
     if name == "mixed":  # one layout per batch, as one model head would produce
         order = torch.argsort(file_of % len(_MIXED), stable=True)
