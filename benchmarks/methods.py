@@ -22,6 +22,7 @@ padding) is inside the timed call, as it is for tdgather.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -172,7 +173,7 @@ def pad_all_gather(d: RankData) -> None:
             most = int(max(s.item() for s in sizes))
             padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype)  # 2. pad to the largest
             padded[: t.shape[0]] = t
-            row = t[0].numel() * t.element_size() if t.dim() else t.element_size()
+            row = math.prod(t.shape[1:]) * t.element_size()
             padded = padded.reshape(-1).view(torch.uint8).view(most, row)  # gloo takes no bf16/bool: bytes
             out = [torch.empty_like(padded) for _ in range(world)]
             dist.all_gather(out, padded)  # 3. gather

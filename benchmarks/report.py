@@ -81,8 +81,11 @@ def write_report(
         " MB/s: bytes rank 0 received (other ranks' frames) per second",
         "- vs raw: raw_p2p seconds / method seconds (1.0 = the transport's limit); vs gather_object:"
         " gather_object seconds / method seconds (the speed-up)",
-        "- memory: rank 0's peak anonymous resident memory above its value before the call, over the bytes"
-        f" received; the Collector runs with a {budget_mib} MiB budget and writes to disk (compare with disk_raw)",
+        "- memory: rank 0's peak anonymous resident memory during the first call in a fresh process, above its"
+        " value before it, over the bytes received (the result the method returns is included);"
+        f" the Collector runs with a {budget_mib} MiB budget and writes to disk (compare with disk_raw)",
+        "- large_whole is large with each video on one rank (a sampler over videos), an extra to large;"
+        " td_gather_and_stack runs only where every sender holds the same count of one layout",
         "",
     ]
     for world in sorted({r["world"] for r in summary}):

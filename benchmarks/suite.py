@@ -71,20 +71,20 @@ def bench_rank(method: str, workload: str, scale: float, repeats: int, scratch: 
     if method == "td_gather_and_stack" and len(set(data.sizes[1:])) != 1:
         return {"skipped": "senders hold different frame counts"}
     fn = METHODS[method]
-    fn(data)  # warm-up
     sampler = _PeakSampler() if rank == 0 else None
-    times, peaks, closes = [], [], []
+    dist.barrier()
+    if sampler:
+        sampler.reset()
+    fn(data)  # the warm-up: the first call in a fresh process, so its memory is all new (none reused)
+    peaks = [sampler.stop()] if sampler else []
+    times, closes = [], []
     for _ in range(repeats):
         gc.collect()
         dist.barrier()
-        if sampler:
-            sampler.reset()
         start = time.perf_counter()
         fn(data)
         seconds = time.perf_counter() - start
         done = time.time()
-        if sampler:
-            peaks.append(sampler.stop())
         times.append(seconds)
         if method == "tdgather_collector":
             last = [0.0] * dist.get_world_size()

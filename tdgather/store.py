@@ -30,6 +30,19 @@ class _Chunk:
     json: list[list]  # B values per JSON leaf
 
 
+class _Bucket:
+    """Frames of one layout collected by `FrameStore.update`, before they are stacked."""
+
+    __slots__ = ("idx", "json", "layout", "leaves", "names")
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.names: list[str] = []
+        self.idx: list = []
+        self.leaves: list[list] = [[] for _ in layout.leaves]
+        self.json: list[list] = [[] for _ in layout.nontensor]
+
+
 @dataclass
 class GroupPlan:
     """How one layout group is laid out, sorted by file then ``frame_idx``.
@@ -99,29 +112,33 @@ class FrameStore:
 
     def update(self, predictions: Mapping[str, Any]) -> None:
         """Add ``{filename: (frame_idx, value)}`` or ``{filename: [(frame_idx, value), ...]}``."""
-        buckets: dict[Layout, tuple[list, list, list[list], list[list]]] = {}
-        fast: dict[tuple, Layout] = {}
+        fast: dict[tuple, _Bucket] = {}  # plain tensors by (dtype, shape): no Layout hashed per frame
+        other: dict[Layout, _Bucket] = {}
         for name, entry in predictions.items():
-            for fi, value in _pairs(name, entry):
+            for pair in _pairs(name, entry):
+                try:
+                    fi, value = pair
+                except (TypeError, ValueError):
+                    raise _not_a_pair(name, pair) from None
                 if type(value) is torch.Tensor and not value.is_nested:
-                    key = (value.dtype, value.shape)
-                    layout = fast.get(key)
-                    if layout is None:
-                        layout = fast[key] = flatten(value, None, f"filename {name!r}")[0]
-                    tensors, json = [value], []
+                    bucket = fast.get((value.dtype, value.shape))
+                    if bucket is None:
+                        layout = flatten(value, None, f"filename {name!r}")[0]
+                        bucket = fast[(value.dtype, value.shape)] = _Bucket(layout)
+                    bucket.names.append(name)
+                    bucket.idx.append(fi)
+                    bucket.leaves[0].append(value)
                 else:
                     layout, tensors, json = flatten(value, None, f"filename {name!r}")
-                names, idx, leaf_lists, json_lists = buckets.get(layout) or buckets.setdefault(
-                    layout, ([], [], [[] for _ in layout.leaves], [[] for _ in layout.nontensor])
-                )
-                names.append(name)
-                idx.append(fi)
-                for lst, t in zip(leaf_lists, tensors, strict=True):
-                    lst.append(t)
-                for lst, v in zip(json_lists, json, strict=True):
-                    lst.append(v)
-        for layout, (names, idx, leaf_lists, json_lists) in buckets.items():
-            self._append(names, _as_index(idx), layout, [_stack(ts) for ts in leaf_lists], json_lists)
+                    bucket = other.get(layout) or other.setdefault(layout, _Bucket(layout))
+                    bucket.names.append(name)
+                    bucket.idx.append(fi)
+                    for lst, t in zip(bucket.leaves, tensors, strict=True):
+                        lst.append(t)
+                    for lst, v in zip(bucket.json, json, strict=True):
+                        lst.append(v)
+        for b in [*fast.values(), *other.values()]:
+            self._append(b.names, _as_index(b.idx), b.layout, [_stack(ts) for ts in b.leaves], b.json)
 
     def _append(self, names: list[str], idx: torch.Tensor, layout: Layout, tensors: list, json: list) -> None:
         layout = self._layouts.setdefault(layout, layout)
@@ -221,14 +238,18 @@ def as_store(predictions: FrameStore | Mapping[str, Any]) -> FrameStore:
     return store
 
 
-def _pairs(name: str, entry: Any) -> Iterable[tuple[Any, Any]]:
+def _pairs(name: str, entry: Any) -> Iterable[Any]:
     if isinstance(entry, tuple) and len(entry) == 2 and _is_index(entry[0]):
         return (entry,)
-    if isinstance(entry, list | tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in entry):
-        return entry
-    raise UnsupportedValueError(
+    if isinstance(entry, list | tuple):
+        return entry  # each item is unpacked (and checked) by the caller
+    raise _not_a_pair(name, entry)
+
+
+def _not_a_pair(name: str, got: Any) -> UnsupportedValueError:
+    return UnsupportedValueError(
         f"filename {name!r}: expected (frame_idx, value) or a list of (frame_idx, value) pairs, "
-        f"got {type(entry).__name__}"
+        f"got {type(got).__name__}"
     )
 
 
@@ -250,7 +271,7 @@ def _as_index(frame_idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
 
 
 def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    devices = {t.device for t in tensors}
-    if len(devices) == 1:
+    try:
         return torch.stack(tensors)  # on CUDA: one stack there, then one copy to the host
-    return torch.stack([t.cpu() for t in tensors])
+    except RuntimeError:  # frames on several devices
+        return torch.stack([t.cpu() for t in tensors])

@@ -106,6 +106,10 @@ def test_store_rejects_bad_input_with_clear_messages():
         store.update({"x": (0, {"t": torch.zeros(1), "label": {1, 2}})})
     with pytest.raises(UnsupportedValueError, match=r"key 'score'.*got float nan"):
         store.update({"x": (0, {"t": torch.zeros(1), "score": float("nan")})})
+    with pytest.raises(UnsupportedValueError, match=r"filename 'p': expected \(frame_idx, value\) or a list.*got int"):
+        store.update({"p": [(0, torch.zeros(1)), 5]})
+    with pytest.raises(UnsupportedValueError, match=r"filename 'p': expected \(frame_idx, value\).*got Tensor"):
+        store.update({"p": torch.zeros(2, 3)})
     with pytest.raises(ValueError, match=r"expected one filename per frame \(2\), got 3"):
         store.add(["a", "b", "c"], [0, 1], torch.zeros(2, 1))
     with pytest.raises(ValueError, match="leading batch dimension of 3"):

@@ -1,0 +1,341 @@
+"""The two sides of a `tdgather.Collector`: the senders' pipeline and rank dst's receive-and-write.
+
+`Sender` (every rank but dst) keeps the current chunk, a bounded queue of chunks to send, a
+thread that packs and sends them (with heartbeats when idle), and a thread that waits for rank
+dst's answer. `Destination` (rank dst) receives each peer on its own thread into a bounded
+inbox, and a writer thread merges and commits shards within the memory budget. The call order
+is in `tdgather.collector`.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from tqdm import tqdm
+
+from .errors import PeerError, PeerLostError, ProtocolError
+from .merge import merge
+from .sink import DatasetWriter
+from .store import FrameStore
+from .transport import Channel
+from .wire import Kind, error_header, local_parts, pack, unpack
+
+__all__ = ["Destination", "Sender"]
+
+_ANSWER_WAIT = timedelta(days=30)  # a sender waits this long for rank dst's final answer
+_CLOSE = object()
+
+
+def _return_freed_memory() -> None:
+    """On glibc, fix the mmap threshold so that freed chunk buffers go back to the OS at once.
+
+    glibc raises its threshold after large frees and then keeps such buffers on its heaps, so
+    resident memory drifts above what is alive. Fixing it (mallopt M_MMAP_THRESHOLD) stops that.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD = 256 KiB
+    except (OSError, AttributeError):
+        pass
+
+
+class _Side:
+    """What senders and rank dst share: the current chunk, back-pressure, the first failure."""
+
+    def __init__(self, chunk_bytes: int, max_pending: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.store = FrameStore()
+        self.queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self.failure: BaseException | None = None
+        self.lock = threading.Lock()
+
+    def fail(self, e: BaseException) -> bool:
+        """Record the first failure; True when this one is it."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = e
+                return True
+            return False
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def add(self, filenames: Any, frame_idx: Any, frames: Any) -> None:
+        self.check()
+        self.store.add(filenames, frame_idx, frames)
+        self._maybe_flush()
+
+    def update(self, predictions: Mapping[str, Any]) -> None:
+        self.check()
+        self.store.update(predictions)
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if self.store.nbytes >= self.chunk_bytes:
+            self.put(self.store)
+            self.store = FrameStore()
+
+    def put(self, item: Any) -> None:
+        """From the user's thread: queue an item, waiting while the queue is full, not past a failure."""
+        while True:
+            try:
+                self.queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                if self.failure is not None:
+                    raise self.failure from None
+
+
+class Sender(_Side):
+    """A rank other than dst: 1. wait for dst's ready, 2. send chunks behind the loop, 3. done or error."""
+
+    def __init__(self, col: Any, pg: Any, chunk_bytes: int) -> None:
+        super().__init__(chunk_bytes, col.max_pending)
+        self.timeout, self.dst = col.timeout, col.dst
+        self.out = Channel(pg, col.dst, col.timeout)
+        self.back = Channel(pg, col.dst, col.timeout)
+        self.heartbeat = min(self.timeout.total_seconds() / 4, 30.0)
+        self.frames = 0
+        self.pending_peak = 0
+        ready = self.back.recv()  # 1. rank dst says whether the output can be written
+        if ready.kind == Kind.ERROR:
+            raise PeerError(col.dst, ready.header["type"], ready.header["message"])
+        self.answer = None
+        self.thread = threading.Thread(target=self._send_loop, name="tdgather-send", daemon=True)
+        self.watcher = threading.Thread(target=self._watch, name="tdgather-answer", daemon=True)
+        self.thread.start()
+        self.watcher.start()
+
+    def put(self, item: Any) -> None:
+        """Queue a chunk (waiting on back-pressure) and keep the peak queue depth."""
+        super().put(item)
+        self.pending_peak = max(self.pending_peak, self.queue.qsize())
+
+    def _send_loop(self) -> None:
+        try:
+            while True:
+                try:
+                    item = self.queue.get(timeout=self.heartbeat)
+                except queue.Empty:
+                    self.out.wait(self.out.send(Kind.DATA, {"parts": []}), "a heartbeat")
+                    continue
+                if item is _CLOSE:
+                    self.out.wait(self.out.send(Kind.DONE, {"frames": self.frames}), "the done message")
+                    return
+                if isinstance(item, BaseException):
+                    self.out.wait(self.out.send(Kind.ERROR, error_header(item)), "the error message")
+                    return
+                header, payload = pack(item)
+                self.out.wait(self.out.send(Kind.DATA, header, payload), "a chunk")
+                self.frames += len(item)
+        except BaseException as e:
+            self.fail(e)
+            if not isinstance(e, PeerLostError):  # the stream still works: end it, so dst need not wait
+                try:
+                    self.out.wait(self.out.send(Kind.ERROR, error_header(e)), "the error message")
+                except PeerLostError:
+                    pass
+
+    def _watch(self) -> None:
+        try:
+            self.answer = self.back.recv(first_wait=_ANSWER_WAIT)
+        except BaseException as e:
+            self.fail(e)
+            return
+        if self.answer.kind == Kind.ERROR:
+            self.fail(PeerError(self.dst, self.answer.header["type"], self.answer.header["message"]))
+
+    def close(self) -> None:
+        """Flush, send ``done``, and wait for dst's answer (raises if it is ``error``)."""
+        self.check()
+        if len(self.store):
+            self.put(self.store)
+        self.put(_CLOSE)
+        self.thread.join()
+        self.check()
+        self.watcher.join(self.timeout.total_seconds())
+        if self.watcher.is_alive():
+            self.fail(PeerLostError(self.dst, "PeerLost", f"no answer after {self.timeout.total_seconds():g} s"))
+        self.check()
+
+    def abort(self, exc: BaseException) -> None:
+        """Drop unsent chunks, end the stream with ``error``, and wait (bounded) for dst's answer."""
+        self.fail(exc)
+        while not self.queue.empty():  # unsent chunks are dropped
+            self.queue.get_nowait()
+        if self.thread.is_alive():
+            self.queue.put(exc)
+            self.thread.join()
+        self.watcher.join(self.timeout.total_seconds())
+
+
+class Destination(_Side):
+    """Rank dst: 1. check the output and answer ready, 2. receive and write within the budget, 3. index."""
+
+    def __init__(self, col: Any, pg: Any, rank: int, peers: list[int], chunk_bytes: int) -> None:
+        super().__init__(chunk_bytes, col.max_pending)
+        _return_freed_memory()
+        self.col, self.rank, self.start = col, rank, time.perf_counter()
+        self.channels = {p: Channel(pg, p, col.timeout) for p in peers}
+        self.answered: set[int] = set()
+        self.lost: set[int] = set()
+        self.local_ended = False
+        self.received = dict.fromkeys(sorted([rank, *peers]), 0)
+        self.received_bytes = dict.fromkeys(sorted([rank, *peers]), 0)
+        self.duplicates = 0
+        # Peak on rank dst, in chunks c: one payload per receiver (W - 1) + the inbox (max_pending)
+        # + the buffer (spill + c) + the merge's copy of split files (spill + c). With the default
+        # c = budget / (8 (W + 1)) that is at most budget / 4 + 0.7 budget.
+        self.spill_bytes = max(chunk_bytes, col.memory_budget * 35 // 100)
+        try:
+            self.writer = DatasetWriter(col.path, overwrite=col.overwrite, max_shard_bytes=col.max_shard_bytes)
+        except BaseException as e:
+            self._answer_all(Kind.ERROR, error_header(e))
+            raise
+        self._answer_all(Kind.DONE, {"frames": 0}, final=False)  # 1. ready
+        enabled = col.progress if col.progress is not None else sys.stderr.isatty()
+        self.bar = tqdm(desc="tdgather", unit=" frames", disable=not enabled, dynamic_ncols=True, file=sys.stderr)
+        self.receivers = [
+            threading.Thread(target=self._receive_loop, args=(p,), name=f"tdgather-recv-{p}", daemon=True)
+            for p in peers
+        ]
+        self.writer_thread = threading.Thread(target=self._write_loop, name="tdgather-write", daemon=True)
+        for t in [*self.receivers, self.writer_thread]:
+            t.start()
+
+    def _maybe_flush(self) -> None:
+        if self.store.nbytes >= self.chunk_bytes:
+            self.put(("local", self.rank, self.store))
+            self.store = FrameStore()
+
+    def _receive_loop(self, peer: int) -> None:
+        ch, frames, end = self.channels[peer], 0, None
+        try:
+            while True:
+                msg = ch.recv()
+                if msg.kind == Kind.ERROR:
+                    raise PeerError(peer, msg.header["type"], msg.header["message"])
+                if msg.kind == Kind.DONE:
+                    if msg.header["frames"] != frames:
+                        raise ProtocolError(peer, "done.frames", f"expected {frames}, got {msg.header['frames']}")
+                    break
+                if msg.header.parts:
+                    frames += msg.header.num_frames
+                    if self.failure is None:  # after a failure, drain and drop
+                        self.queue.put(("parts", peer, unpack(msg.header, msg.payload, peer)))
+        except BaseException as e:
+            end = e
+            if isinstance(e, PeerLostError):
+                self.lost.add(peer)
+        self.queue.put(("end", peer, end))  # the writer consumes until every source has ended
+
+    def _write_loop(self) -> None:
+        buffered, nbytes, open_sources = [], 0, {*self.channels, self.rank}
+        while open_sources:
+            kind, src, item = self.queue.get()
+            if kind == "end":
+                open_sources.discard(src)
+                if item is not None:
+                    self._fail(item)
+                continue
+            try:
+                parts = local_parts(item, src) if kind == "local" else item
+                frames = sum(p.frame_idx.numel() for p in parts)
+                size = sum(p.frame_idx.numel() * p.layout.frame_nbytes for p in parts)
+                self.received[src] += frames
+                self.received_bytes[src] += size
+                self._progress(frames)
+                if self.failure is not None:
+                    continue
+                buffered += parts
+                nbytes += size
+                if nbytes >= self.spill_bytes:
+                    self._spill(buffered)
+                    buffered, nbytes = [], 0
+            except BaseException as e:
+                self._fail(e)
+        if self.failure is None and buffered:
+            try:
+                self._spill(buffered)
+            except BaseException as e:
+                self._fail(e)
+
+    def _spill(self, parts: list) -> None:
+        merged, dropped = merge(parts)
+        self.duplicates += dropped
+        self.writer.write(merged)
+
+    def _progress(self, frames: int) -> None:
+        if self.bar.disable:
+            return
+        ranks = self.received_bytes.items()
+        per_rank = " ".join(f"r{r}:{self.received[r]}/{b / 1e6:.0f}MB" for r, b in ranks) if len(ranks) <= 8 else ""
+        total = sum(self.received_bytes.values()) / 1e6
+        self.bar.set_postfix_str(f"{total:.0f} MB, {len(self.writer.shards)} shards {per_rank}", refresh=False)
+        self.bar.update(frames)
+
+    def _fail(self, e: BaseException) -> None:
+        if self.fail(e):
+            self._answer_all(Kind.ERROR, error_header(e))  # every sender learns at once
+
+    def _answer_all(self, kind: Kind, header: dict, final: bool = True) -> None:
+        for peer, ch in self.channels.items():
+            with self.lock:
+                if peer in self.lost or (final and peer in self.answered):
+                    continue
+                if final:
+                    self.answered.add(peer)
+            try:
+                ch.wait(ch.send(kind, header), "answering the peer")
+            except Exception:  # unreachable: never let this stop the writer, which must drain
+                self.lost.add(peer)
+
+    def close(self) -> dict[str, Any]:
+        """Flush its own frames, wait for every peer, commit the index, answer ``done``; return the figures."""
+        self.check()
+        closing = time.perf_counter()
+        if len(self.store):
+            self.put(("local", self.rank, self.store))
+        self._end_local()
+        self.writer_thread.join()
+        for t in self.receivers:
+            t.join()
+        self.bar.close()
+        self.check()
+        self.writer.commit({"duplicates_dropped": self.duplicates + self.writer.duplicates_dropped})
+        self._answer_all(Kind.DONE, {"frames": self.writer.frames})
+        end = time.perf_counter()
+        return {
+            "path": str(self.col.path),
+            "frames": self.writer.frames,
+            "bytes": self.writer.nbytes,
+            "duplicates_dropped": self.duplicates + self.writer.duplicates_dropped,
+            "frames_per_rank": dict(self.received),
+            "shards": len(self.writer.shards),
+            "seconds": end - self.start,
+            "close_seconds": end - closing,
+        }
+
+    def _end_local(self) -> None:
+        if not self.local_ended:
+            self.local_ended = True
+            self.queue.put(("end", self.rank, None))
+
+    def abort(self, exc: BaseException) -> None:
+        """Answer ``error`` to every peer, drain them, keep committed shards, write no index."""
+        self._fail(exc)
+        self._end_local()
+        self.writer_thread.join()
+        for t in self.receivers:
+            t.join()
+        self.bar.close()
+        self.writer.abort()
