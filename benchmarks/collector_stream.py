@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
 import time
 
 import torch
@@ -21,17 +20,9 @@ import torch.distributed as dist
 import tdgather
 from tdgather.launch import run_local_world
 
+from .memory import PeakSampler
+
 FRAME = (3, 64, 64)
-
-
-def _resident() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(("RssAnon:", "RssFile:")):
-                key, value = line.split(":")
-                out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def _rank(out: str, gib: float, budget: int, batch: int) -> dict:
@@ -39,17 +30,7 @@ def _rank(out: str, gib: float, budget: int, batch: int) -> dict:
     frame_bytes = 4 * FRAME[0] * FRAME[1] * FRAME[2]
     total = int(gib * 2**30) // frame_bytes
     mine = list(range(rank - 1, total, world - 1)) if rank else []
-    base, peak, stop = _resident(), {"RssAnon": 0, "RssFile": 0}, threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            now = _resident()
-            for k in peak:
-                peak[k] = max(peak[k], now[k] - base[k])
-            stop.wait(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    sampler = PeakSampler()
     frames = torch.rand((batch, *FRAME))
     t0 = time.time()
     with tdgather.Collector(out, memory_budget=budget, timeout=600, progress=False) as col:
@@ -58,8 +39,7 @@ def _rank(out: str, gib: float, budget: int, batch: int) -> dict:
             col.add([f"video_{p % 200:03d}.mp4" for p in pos], [p // 200 for p in pos], frames[: len(pos)])
         last_add = time.time()
     closed = time.time()
-    stop.set()
-    sampler.join()
+    peak = sampler.close()
     result = {"rank": rank, "last_add": last_add, "closed": closed, "start": t0}
     if col.summary is not None:
         s = col.summary

@@ -18,7 +18,6 @@ import shlex
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -26,41 +25,13 @@ import torch.distributed as dist
 
 from tdgather.launch import WorldError, run_local_world
 
+from .memory import PeakSampler
 from .methods import METHODS, RankData, applicable
 from .report import write_report
 from .workloads import WORKLOADS, batches
 
 QUICK = {"scale": 0.03, "repeats": 2, "worlds": [2, 4], "workloads": ["large", "tiny", "skewed", "mixed"]}
 FULL = {"scale": 1.0, "repeats": 3, "worlds": [2, 4], "workloads": list(WORKLOADS)}
-
-
-def anon_bytes() -> int:
-    """Anonymous resident memory of this process (Linux), in bytes."""
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class _PeakSampler:
-    def __init__(self) -> None:
-        self.base = self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def reset(self) -> None:
-        self.base = anon_bytes()
-        self.peak = 0
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, anon_bytes() - self.base)
-
-    def stop(self) -> int:
-        self.peak = max(self.peak, anon_bytes() - self.base)
-        return self.peak
 
 
 def bench_rank(method: str, workload: str, scale: float, repeats: int, scratch: str, budget: int) -> dict:
@@ -71,12 +42,12 @@ def bench_rank(method: str, workload: str, scale: float, repeats: int, scratch: 
     if method == "td_gather_and_stack" and len(set(data.sizes[1:])) != 1:
         return {"skipped": "senders hold different frame counts"}
     fn = METHODS[method]
-    sampler = _PeakSampler() if rank == 0 else None
+    sampler = PeakSampler() if rank == 0 else None
     dist.barrier()
     if sampler:
         sampler.reset()
     fn(data)  # the warm-up: the first call in a fresh process, so its memory is all new (none reused)
-    peaks = [sampler.stop()] if sampler else []
+    peaks = [sampler.close()["RssAnon"]] if sampler else []
     times, closes = [], []
     for _ in range(repeats):
         gc.collect()

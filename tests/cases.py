@@ -365,37 +365,14 @@ def case_backpressure(out: str) -> dict:
     return {"frames": col.summary.frames if col.summary else None}
 
 
-def resident() -> dict[str, int]:
-    """Resident bytes: anonymous (data) and file-backed (library code paged in), from /proc."""
-    out = {}
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(("RssAnon:", "RssFile:")):
-                key, value = line.split(":")
-                out[key] = int(value.split()[0]) * 1024
-    return out
-
-
 def case_memory(out: str, budget: int, per_sender_mb: int) -> dict | None:
     """Senders stream per_sender_mb each; rank 0 samples its resident memory while it collects."""
-    import threading
+    from benchmarks.memory import PeakSampler
 
     rank = dist.get_rank()
     frame = (3, 64, 64)
     n = per_sender_mb * 1_000_000 // (3 * 64 * 64 * 4)
-    peak, stop = {"RssAnon": 0, "RssFile": 0}, threading.Event()
-    base = resident()
-
-    def sample():
-        while not stop.is_set():
-            now = resident()
-            for k in peak:
-                peak[k] = max(peak[k], now[k] - base[k])
-            stop.wait(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    if rank == 0:
-        sampler.start()
+    sampler = PeakSampler() if rank == 0 else None
     with tdgather.Collector(out, memory_budget=budget, timeout=120, progress=False) as col:
         if rank != 0:
             for i in range(0, n, 32):
@@ -407,8 +384,7 @@ def case_memory(out: str, budget: int, per_sender_mb: int) -> dict | None:
                 )
     if rank != 0:
         return None
-    stop.set()
-    sampler.join()
+    peak = sampler.close()
     return {"anon": peak["RssAnon"], "file": peak["RssFile"], "bytes": col.summary.bytes, "shards": col.summary.shards}
 
 
