@@ -136,6 +136,16 @@ class Part:
     leaves: list[torch.Tensor]
     json: list[list]
 
+    @property
+    def num_frames(self) -> int:
+        """Frames in the part."""
+        return self.frame_idx.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes of its frames."""
+        return self.num_frames * self.layout.frame_nbytes
+
 
 def _check_tensor(t: torch.Tensor, where: str) -> None:
     problem = None

@@ -158,7 +158,7 @@ def _receive(predictions: Any, rank: int, channels: dict[int, Channel], start: f
     for peer, ch in channels.items():
         if isinstance(errors.get(peer), PeerLostError):
             continue  # its pair is unusable
-        received = sum(p.frame_idx.numel() for p in parts.get(peer, []))
+        received = sum(p.num_frames for p in parts.get(peer, []))
         answer = (Kind.DONE, {"frames": received}) if failure is None else (Kind.ERROR, error_header(failure))
         try:
             ch.wait(ch.send(*answer), "answering the peer")
@@ -174,11 +174,11 @@ def _result(parts: list[list[Part]], start: float, ranks: list[int]) -> Gathered
     merged, dropped = merge(flat)
     per_rank = dict.fromkeys(ranks, 0)
     for p in flat:
-        per_rank[p.rank] = per_rank.get(p.rank, 0) + p.frame_idx.numel()
+        per_rank[p.rank] = per_rank.get(p.rank, 0) + p.num_frames
     out = Gathered(merged)
     out.stats = GatherStats(
         frames=sum(f.frame_idx.numel() for f in merged.values()),
-        bytes=sum(p.frame_idx.numel() * p.layout.frame_nbytes for p in flat),
+        bytes=sum(p.nbytes for p in flat),
         duplicates_dropped=dropped,
         frames_per_rank=dict(sorted(per_rank.items())),
         seconds=time.perf_counter() - start,

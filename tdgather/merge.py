@@ -50,7 +50,7 @@ def merge(parts: list[Part]) -> tuple[dict[str, Frames], int]:
 def _merge_layout(layout: Layout, group: list[Part], out: dict[str, Frames]) -> int:
     names = sorted({n for p in group for n in p.files})
     fid = {n: i for i, n in enumerate(names)}
-    sizes = [p.frame_idx.numel() for p in group]
+    sizes = [p.num_frames for p in group]
     bases = torch.tensor([0, *sizes]).cumsum(0)
     fids = torch.cat([torch.tensor([fid[n] for n in p.files], dtype=torch.int64)[p.rows] for p in group])
     idx = torch.cat([p.frame_idx for p in group])
@@ -72,7 +72,8 @@ def _merge_layout(layout: Layout, group: list[Part], out: dict[str, Frames]) -> 
     copied = torch.zeros(len(names), dtype=torch.bool)
     copied[sf[1:][broken]] = True
     counts = torch.bincount(sf[keep], minlength=len(names))
-    starts = torch.bincount(sf, minlength=len(names)).cumsum(0) - torch.bincount(sf, minlength=len(names))
+    per_file = torch.bincount(sf, minlength=len(names))  # rows per file, duplicates included
+    starts = per_file.cumsum(0) - per_file
     # 4. one scatter of the other files' rows into a compact buffer
     moved = keep & copied[sf]
     select = order[moved]

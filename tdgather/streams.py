@@ -81,8 +81,12 @@ class _Side:
 
     def _maybe_flush(self) -> None:
         if self.store.nbytes >= self.chunk_bytes:
-            self.put(self.store)
+            self.put(self._chunk(self.store))
             self.store = FrameStore()
+
+    def _chunk(self, store: FrameStore) -> Any:
+        """What goes on the queue for a full chunk."""
+        return store
 
     def put(self, item: Any) -> None:
         """From the user's thread: queue an item, waiting while the queue is full, not past a failure."""
@@ -101,12 +105,11 @@ class Sender(_Side):
     def __init__(self, col: Any, pg: Any, chunk_bytes: int) -> None:
         super().__init__(chunk_bytes, col.max_pending)
         self.timeout, self.dst = col.timeout, col.dst
-        self.out = Channel(pg, col.dst, col.timeout)
-        self.back = Channel(pg, col.dst, col.timeout)
+        self.ch = Channel(pg, col.dst, col.timeout)  # its send and receive sequences are independent
         self.heartbeat = min(self.timeout.total_seconds() / 4, 30.0)
         self.frames = 0
         self.pending_peak = 0
-        ready = self.back.recv()  # 1. rank dst says whether the output can be written
+        ready = self.ch.recv()  # 1. rank dst says whether the output can be written
         if ready.kind == Kind.ERROR:
             raise PeerError(col.dst, ready.header["type"], ready.header["message"])
         self.answer = None
@@ -126,28 +129,28 @@ class Sender(_Side):
                 try:
                     item = self.queue.get(timeout=self.heartbeat)
                 except queue.Empty:
-                    self.out.wait(self.out.send(Kind.DATA, {"parts": []}), "a heartbeat")
+                    self.ch.wait(self.ch.send(Kind.DATA, {"parts": []}), "a heartbeat")
                     continue
                 if item is _CLOSE:
-                    self.out.wait(self.out.send(Kind.DONE, {"frames": self.frames}), "the done message")
+                    self.ch.wait(self.ch.send(Kind.DONE, {"frames": self.frames}), "the done message")
                     return
                 if isinstance(item, BaseException):
-                    self.out.wait(self.out.send(Kind.ERROR, error_header(item)), "the error message")
+                    self.ch.wait(self.ch.send(Kind.ERROR, error_header(item)), "the error message")
                     return
                 header, payload = pack(item)
-                self.out.wait(self.out.send(Kind.DATA, header, payload), "a chunk")
+                self.ch.wait(self.ch.send(Kind.DATA, header, payload), "a chunk")
                 self.frames += len(item)
         except BaseException as e:
             self.fail(e)
             if not isinstance(e, PeerLostError):  # the stream still works: end it, so dst need not wait
                 try:
-                    self.out.wait(self.out.send(Kind.ERROR, error_header(e)), "the error message")
+                    self.ch.wait(self.ch.send(Kind.ERROR, error_header(e)), "the error message")
                 except PeerLostError:
                     pass
 
     def _watch(self) -> None:
         try:
-            self.answer = self.back.recv(first_wait=_ANSWER_WAIT)
+            self.answer = self.ch.recv(first_wait=_ANSWER_WAIT)
         except BaseException as e:
             self.fail(e)
             return
@@ -212,10 +215,8 @@ class Destination(_Side):
         for t in [*self.receivers, self.writer_thread]:
             t.start()
 
-    def _maybe_flush(self) -> None:
-        if self.store.nbytes >= self.chunk_bytes:
-            self.put(("local", self.rank, self.store))
-            self.store = FrameStore()
+    def _chunk(self, store: FrameStore) -> Any:
+        return ("local", self.rank, store)
 
     def _receive_loop(self, peer: int) -> None:
         ch, frames, end = self.channels[peer], 0, None
@@ -249,8 +250,8 @@ class Destination(_Side):
                 continue
             try:
                 parts = local_parts(item, src) if kind == "local" else item
-                frames = sum(p.frame_idx.numel() for p in parts)
-                size = sum(p.frame_idx.numel() * p.layout.frame_nbytes for p in parts)
+                frames = sum(p.num_frames for p in parts)
+                size = sum(p.nbytes for p in parts)
                 self.received[src] += frames
                 self.received_bytes[src] += size
                 self._progress(frames)
@@ -304,7 +305,7 @@ class Destination(_Side):
         self.check()
         closing = time.perf_counter()
         if len(self.store):
-            self.put(("local", self.rank, self.store))
+            self.put(self._chunk(self.store))
         self._end_local()
         self.writer_thread.join()
         for t in self.receivers:
