@@ -6,6 +6,8 @@ the message text through ``pytest.raises(match=...)``.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "DuplicateFrameError",
     "FrameConflictError",
@@ -20,7 +22,15 @@ __all__ = [
 
 
 class TdgatherError(Exception):
-    """Base class of every error tdgather raises on purpose."""
+    """Base class of every error tdgather raises on purpose.
+
+    Attributes:
+        received: on rank ``dst`` after a failed `tdgather.gather`, the frames that had arrived
+            (a `tdgather.Gathered`, from every rank, the failed one's included), so nothing already
+            received is lost; None elsewhere, or when they could not be merged.
+    """
+
+    received: Any = None
 
 
 class UnsupportedValueError(TdgatherError, TypeError):
@@ -36,7 +46,11 @@ class ProtocolError(TdgatherError):
     """
 
     def __init__(self, rank: int, field: str, message: str) -> None:
-        super().__init__(f"protocol error from rank {rank} in {field}: {message}")
+        super().__init__(
+            f"protocol error from rank {rank} in {field}: {message}. The bytes are not a valid tdgather "
+            f"message (protocol 1): check that every rank runs the same tdgather version and that nothing "
+            f"else sends on this process group"
+        )
         self.rank = rank
         self.field = field
 
@@ -51,14 +65,19 @@ class PeerError(TdgatherError):
     """
 
     def __init__(self, rank: int, error_type: str, error_message: str) -> None:
-        super().__init__(f"rank {rank} failed with {error_type}: {error_message}")
+        hint = "" if error_message.endswith(self.hint) else self.hint
+        super().__init__(f"rank {rank} failed with {error_type}: {error_message}{hint}")
         self.rank = rank
         self.error_type = error_type
         self.error_message = error_message
 
+    hint = " (its log has the traceback; fix that rank's error and rerun)"
+
 
 class PeerLostError(PeerError):
     """A peer stopped answering (timeout) or its connection closed (killed)."""
+
+    hint = ""  # the cause carries its own advice
 
 
 class FrameConflictError(TdgatherError, ValueError):

@@ -75,6 +75,8 @@ def gather(
         PeerError: a rank failed (its error type and message are carried); PeerLostError if it died
             or stopped answering. Other ranks see a PeerError naming ``dst``.
         ProtocolError: a peer's bytes broke the wire contract.
+            On ``dst``, a `PeerError` or `ProtocolError` carries in ``.received`` every frame
+            that did arrive (the failed rank's complete messages and the other ranks' data).
         ShapeMismatchError, DuplicateFrameError: frames of a filename do not agree.
         UnsupportedValueError: a value tdgather cannot carry (raised where it was given).
     """
@@ -105,8 +107,12 @@ def _send(predictions: Any, ch: Channel) -> None:
         else:
             works = ch.send(Kind.DATA, *data) if data else []
             works += ch.send(Kind.DONE, {"frames": len(store)})
-        ch.wait(works, "sending to the destination")
-        answer = ch.recv()
+        # dst answers once it has read every stream (it may wait up to the timeout for a stopped
+        # peer, so the answer may take twice the timeout), or at once when it has failed: then the
+        # sends may never complete, so the answer is read first, and they are waited after
+        answer = ch.recv(first_wait=2 * ch.timeout)
+        if answer.kind == Kind.DONE:
+            ch.wait(works, "sending to the destination")
     except TdgatherError:
         if failure is not None:  # the user's own error matters more than the lost destination
             raise failure from None
@@ -117,8 +123,9 @@ def _send(predictions: Any, ch: Channel) -> None:
         raise PeerError(ch.peer, answer.header["type"], answer.header["message"])
 
 
-def _receive_stream(ch: Channel) -> list[Part]:
-    parts, frames = [], 0
+def _receive_stream(ch: Channel, parts: list[Part]) -> None:
+    """Read one peer's stream into ``parts`` (kept by the caller, so a failure loses nothing received)."""
+    frames = 0
     while True:
         msg = ch.recv()
         if msg.kind == Kind.DATA:
@@ -131,40 +138,45 @@ def _receive_stream(ch: Channel) -> list[Part]:
                 raise ProtocolError(
                     ch.peer, "done.frames", f"expected {frames} (frames received), got {msg.header['frames']}"
                 )
-            return parts
+            return
 
 
 def _receive(predictions: Any, rank: int, channels: dict[int, Channel], start: float) -> Gathered:
     errors: dict[int, BaseException] = {}
+    parts: dict[int, list[Part]] = {r: [] for r in sorted([rank, *channels])}
     with ThreadPoolExecutor(max_workers=len(channels), thread_name_prefix="tdgather-recv") as pool:
-        futures = {peer: pool.submit(_receive_stream, ch) for peer, ch in channels.items()}
-        parts: dict[int, list[Part]] = {}
+        futures = {peer: pool.submit(_receive_stream, ch, parts[peer]) for peer, ch in channels.items()}
         try:
             parts[rank] = local_parts(as_store(predictions), rank)
         except Exception as e:
             errors[-1] = e
         for peer, fut in futures.items():
             try:
-                parts[peer] = fut.result()
+                fut.result()
             except Exception as e:
                 errors[peer] = e
     result = None
     if not errors:
         try:
-            result = _result(list(parts.values()), start, sorted([rank, *channels]))
+            result = _result(list(parts.values()), start, list(parts))
         except Exception as e:
             errors[-1] = e
     failure = errors[min(errors, key=lambda r: (r < 0, r))] if errors else None
     for peer, ch in channels.items():
         if isinstance(errors.get(peer), PeerLostError):
             continue  # its pair is unusable
-        received = sum(p.num_frames for p in parts.get(peer, []))
+        received = sum(p.num_frames for p in parts[peer])
         answer = (Kind.DONE, {"frames": received}) if failure is None else (Kind.ERROR, error_header(failure))
         try:
             ch.wait(ch.send(*answer), "answering the peer")
         except PeerLostError as e:
             errors.setdefault(peer, e)
     if failure is not None:
+        if isinstance(failure, TdgatherError) and -1 not in errors:
+            try:  # nothing received is lost: the caller can still save it
+                failure.received = _result(list(parts.values()), start, list(parts))
+            except TdgatherError:
+                pass
         raise failure
     return result
 

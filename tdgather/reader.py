@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from .errors import OutputError
 from .frames import Frames, Layout, rebuild
-from .sink import FORMAT, INDEX_NAME
+from .sink import FORMAT, INCOMPLETE_NAME, INDEX_NAME
 
 __all__ = ["Dataset", "open_dataset", "read_segment"]
 
@@ -29,15 +29,31 @@ class Dataset(Mapping[str, Frames]):
     Attributes:
         path: the dataset directory.
         index: the parsed ``tdgather.index.json``.
-        metadata: totals and user metadata.
+        metadata: totals and user metadata; for an incomplete dataset, ``metadata["failure"]``.
+        complete: False when opened with ``incomplete=True``.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        index_path = self.path / INDEX_NAME
+    def __init__(self, path: str | os.PathLike, incomplete: bool = False) -> None:
+        self.path, self.complete = Path(path), not incomplete
+        partial = self.path.with_name(self.path.name + ".partial")
+        if incomplete:
+            if not self.path.name.endswith(".partial"):
+                self.path = partial
+            index_path = self.path / INCOMPLETE_NAME
+            if not index_path.is_file():
+                raise OutputError(
+                    f"{str(self.path)!r} holds no {INCOMPLETE_NAME}: no failed run recorded what it saved there"
+                )
+        else:
+            index_path = self.path / INDEX_NAME
         if not index_path.is_file():
-            partial = self.path.with_name(self.path.name + ".partial")
-            hint = f"; {str(partial)!r} holds shards of an interrupted run" if partial.exists() else ""
+            hint = ""
+            if (partial / INCOMPLETE_NAME).exists():
+                hint = f"; a failed run saved frames in {str(partial)!r}: open(path, incomplete=True) reads them"
+            elif (partial / INDEX_NAME).exists():
+                hint = f"; {str(partial)!r} holds a complete dataset whose move into place was interrupted"
+            elif partial.exists():
+                hint = f"; {str(partial)!r} holds shards of an interrupted run"
             raise OutputError(f"{str(self.path)!r} is not a complete tdgather dataset: no {INDEX_NAME}{hint}")
         self.index: dict[str, Any] = json.loads(index_path.read_text(encoding="utf-8"))
         if self.index.get("format") != FORMAT:
@@ -94,6 +110,10 @@ def read_segment(root: Path, segment: dict, layout: Layout) -> tuple[torch.Tenso
     return idx, tensors, json_values
 
 
-def open_dataset(path: str | os.PathLike) -> Dataset:
-    """Open a saved dataset lazily; raises OutputError when it is incomplete."""
-    return Dataset(path)
+def open_dataset(path: str | os.PathLike, *, incomplete: bool = False) -> Dataset:
+    """Open a saved dataset lazily; raises OutputError when it is incomplete.
+
+    With ``incomplete=True``, open instead what a failed run saved in ``<path>.partial``
+    (the frames committed before the failure, listed in ``tdgather.incomplete.json``).
+    """
+    return Dataset(path, incomplete)

@@ -23,6 +23,8 @@ fsynced; the index comes last; then the staging directory is renamed into place.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -37,10 +39,20 @@ from ._dtypes import SAFETENSORS_CODE
 from .errors import DuplicateFrameError, OutputError, ShapeMismatchError
 from .frames import Frames, Layout, flatten, row_view
 
-__all__ = ["DEFAULT_SHARD_BYTES", "FORMAT", "INDEX_NAME", "DatasetWriter", "check_output", "save", "write_safetensors"]
+__all__ = [
+    "DEFAULT_SHARD_BYTES",
+    "FORMAT",
+    "INCOMPLETE_NAME",
+    "INDEX_NAME",
+    "DatasetWriter",
+    "check_output",
+    "save",
+    "write_safetensors",
+]
 
 FORMAT = "tdgather"
 INDEX_NAME = "tdgather.index.json"
+INCOMPLETE_NAME = "tdgather.incomplete.json"  # what a failed run saved, in <name>.partial
 DEFAULT_SHARD_BYTES = 1 << 30
 
 
@@ -59,10 +71,17 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
             f"output {str(target)!r} exists and is not empty; pass overwrite=True to replace it atomically, "
             "or choose another path"
         )
+    if (staging / INDEX_NAME).exists() and not overwrite:
+        raise OutputError(
+            f"{str(staging)!r} holds a complete dataset whose move into place was interrupted (or the old one of "
+            "an interrupted overwrite); tdgather.open() reads it there: keep it, remove it, or pass "
+            "overwrite=True to replace it"
+        )
     if staging.exists() and not overwrite:
         raise OutputError(
-            f"{str(staging)!r} holds shards left by an interrupted run (no index, so incomplete); remove it, "
-            "or pass overwrite=True to replace it"
+            f"{str(staging)!r} holds shards left by an interrupted run (no index, so incomplete); read what it "
+            "saved with tdgather.open(path, incomplete=True) if needed, then remove it, or pass overwrite=True "
+            "to replace it"
         )
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +102,8 @@ class DatasetWriter:
        may appear in several calls; its frames then form several segments, and frames already
        written are checked against the disk (identical ones dropped, different ones raise);
     3. ``commit()`` writes the index and moves the dataset into place; or ``abort()``, which
-       keeps the committed shards in ``<path>.partial`` and writes no index.
+       keeps the committed shards in ``<path>.partial`` and writes no index there, only (given
+       the failure) ``tdgather.incomplete.json``, which lists them.
     """
 
     def __init__(
@@ -103,7 +123,7 @@ class DatasetWriter:
         self.shards: dict[str, dict] = {}
         self.duplicates_dropped = 0
         self._layouts: dict[str, Layout] = {}
-        self._written_idx: dict[str, list[torch.Tensor]] = {}
+        self._written: dict[str, torch.Tensor] = {}  # per filename, frame_idx written, as [start, end] runs
 
     @property
     def frames(self) -> int:
@@ -143,7 +163,7 @@ class DatasetWriter:
                 entry["frames"] += segment["frames"]
                 entry["segments"].append(segment)
                 self._layouts[name] = layout
-                self._written_idx.setdefault(name, []).append(idx)
+                self._written[name] = _add_runs(self._written.get(name), idx)
             self.shards[shard_name] = {
                 "frames": sum(x[2].numel() for x in shard),
                 "bytes": sum(x[2].numel() * x[1].frame_nbytes for x in shard),
@@ -159,7 +179,7 @@ class DatasetWriter:
                 f"filename {name!r}: frames already written have {self._layouts[name].describe()}, new ones "
                 f"have {layout.describe()}; every frame of a filename must have the same structure, shape and dtype"
             )
-        again = torch.isin(idx, torch.cat(self._written_idx[name]))
+        again = _in_runs(self._written[name], idx)
         if not bool(again.any()):
             return idx, tensors, json_values
         from .reader import read_segment
@@ -189,6 +209,23 @@ class DatasetWriter:
 
     def commit(self, metadata: Mapping[str, Any] | None = None) -> Path:
         """Write the index (last), then move the dataset into place; return its path."""
+        _write_atomic(self.staging / INDEX_NAME, [self._index(metadata)])
+        _publish(self.staging, self.target, self.overwrite)
+        return self.target
+
+    def abort(self, failure: BaseException | None = None, metadata: Mapping[str, Any] | None = None) -> Path:
+        """Stop: the committed shards stay in ``<path>.partial``; return that path.
+
+        With ``failure``, an index of what was committed is written there as ``tdgather.incomplete.json``
+        (never ``tdgather.index.json``), naming the failure, so ``tdgather.open(path, incomplete=True)``
+        reads the frames saved before it.
+        """
+        if failure is not None:
+            info = {"type": type(failure).__name__, "message": str(failure), "rank": getattr(failure, "rank", None)}
+            _write_atomic(self.staging / INCOMPLETE_NAME, [self._index({**(metadata or {}), "failure": info})])
+        return self.staging
+
+    def _index(self, metadata: Mapping[str, Any] | None) -> bytes:
         index = {
             "format": FORMAT,
             "version": 1,
@@ -201,13 +238,7 @@ class DatasetWriter:
             "shards": self.shards,
             "files": dict(sorted(self.files.items())),
         }
-        _write_atomic(self.staging / INDEX_NAME, [json.dumps(index, ensure_ascii=False, allow_nan=False).encode()])
-        _publish(self.staging, self.target, self.overwrite)
-        return self.target
-
-    def abort(self) -> Path:
-        """Stop without an index: the committed shards stay in ``<path>.partial``; return that path."""
-        return self.staging
+        return json.dumps(index, ensure_ascii=False, allow_nan=False).encode()
 
 
 def save(
@@ -234,6 +265,33 @@ def save(
     writer = DatasetWriter(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
     writer.write(frames)
     return writer.commit(metadata)
+
+
+def _add_runs(runs: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
+    """The union of ``runs`` (int64 ``[k, 2]``, inclusive, sorted, disjoint) and the indices ``idx``.
+
+    Frames usually come in order, so a filename costs a few runs, not 8 bytes per frame written.
+    """
+    idx = torch.unique(idx.to(torch.int64))
+    new_run = torch.ones_like(idx, dtype=torch.bool)
+    new_run[1:] = idx[1:] - idx[:-1] != 1
+    first = new_run.nonzero().flatten()
+    last = torch.cat([first[1:] - 1, torch.tensor([idx.numel() - 1])])
+    fresh = torch.stack([idx[first], idx[last]], dim=1)
+    both = fresh if runs is None else torch.cat([runs, fresh])
+    both = both[torch.argsort(both[:, 0])]
+    reach = torch.cummax(both[:, 1], dim=0).values
+    starts = torch.ones(both.shape[0], dtype=torch.bool)
+    starts[1:] = both[1:, 0] > reach[:-1] + 1
+    heads = starts.nonzero().flatten()
+    tails = torch.cat([heads[1:] - 1, torch.tensor([both.shape[0] - 1])])
+    return torch.stack([both[heads, 0], reach[tails]], dim=1)
+
+
+def _in_runs(runs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Which of ``idx`` lie in ``runs`` (as `_add_runs` makes them)."""
+    at = torch.searchsorted(runs[:, 0].contiguous(), idx.to(torch.int64), right=True) - 1
+    return (at >= 0) & (idx <= runs[at.clamp(min=0), 1])
 
 
 def _shard_tensors(shard: list, shard_name: str) -> tuple[dict, list, list]:
@@ -328,14 +386,39 @@ def _staging(target: Path) -> Path:
 
 
 def _publish(staging: Path, target: Path, overwrite: bool) -> None:
-    """Move a complete staging directory into place; an old dataset is swapped out, then removed."""
-    old = None
+    """Move a complete staging directory into place.
+
+    An old dataset is exchanged with the new one in one atomic step (Linux ``renameat2``), so a
+    crash leaves the old dataset or the new one at ``target``, never neither; the old one, then
+    at ``<name>.partial`` with its index, is removed. Elsewhere it is renamed aside first.
+    """
     if target.exists() and any(target.iterdir()):
         if not overwrite:
             raise OutputError(f"output {str(target)!r} appeared while writing; pass overwrite=True to replace it")
+        if _exchange(staging, target):
+            _fsync_dir(target.parent)
+            shutil.rmtree(staging)
+            return
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         os.rename(target, old)
+        os.replace(staging, target)
+        _fsync_dir(target.parent)
+        shutil.rmtree(old)
+        return
     os.replace(staging, target)
     _fsync_dir(target.parent)
-    if old is not None:
-        shutil.rmtree(old)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with ``renameat2(RENAME_EXCHANGE)``; False where that is unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))

@@ -29,7 +29,11 @@ from .wire import Kind, error_header, local_parts, pack, unpack
 __all__ = ["Destination", "Sender"]
 
 _ANSWER_WAIT = timedelta(days=30)  # a sender waits this long for rank dst's final answer
+_AFTER_ANSWER = 5.0  # seconds a sender still waits for its sends once dst has answered
 _CLOSE = object()
+# What merging a buffer costs per frame beyond its bytes (sort keys, permutations, masks, int64
+# indices): about 100 bytes. Counted against the budget, so that tiny frames respect it too.
+_MERGE_BYTES_PER_FRAME = 128
 
 
 def _return_freed_memory() -> None:
@@ -163,11 +167,13 @@ class Sender(_Side):
         if len(self.store):
             self.put(self.store)
         self.put(_CLOSE)
-        self.thread.join()
+        self._join_send_thread()
         self.check()
-        self.watcher.join(self.timeout.total_seconds())
+        wait = 2 * self.timeout.total_seconds()  # dst may first wait up to the timeout for a stopped peer
+        self.watcher.join(wait)
         if self.watcher.is_alive():
-            self.fail(PeerLostError(self.dst, "PeerLost", f"no answer after {self.timeout.total_seconds():g} s"))
+            cause = f"no answer {wait:g} s after done; check rank {self.dst}'s log"
+            self.fail(PeerLostError(self.dst, "PeerLost", cause))
         self.check()
 
     def abort(self, exc: BaseException) -> None:
@@ -177,8 +183,23 @@ class Sender(_Side):
             self.queue.get_nowait()
         if self.thread.is_alive():
             self.queue.put(exc)
-            self.thread.join()
+            self._join_send_thread()
         self.watcher.join(self.timeout.total_seconds())
+
+    def _join_send_thread(self) -> None:
+        """Wait for the send thread: at most the timeout, and only briefly once dst has answered.
+
+        After its answer, dst reads the rest of the stream, unless it stopped reading it (our bytes
+        broke the protocol): then a send never completes, and waiting for it would only delay the error.
+        """
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        answered = None
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            self.thread.join(0.05)
+            if not self.watcher.is_alive():
+                answered = answered or time.monotonic()
+                if time.monotonic() - answered > _AFTER_ANSWER:
+                    return
 
 
 class Destination(_Side):
@@ -192,6 +213,7 @@ class Destination(_Side):
         self.answered: set[int] = set()
         self.lost: set[int] = set()
         self.local_ended = False
+        self.write_failed = False
         self.received = dict.fromkeys(sorted([rank, *peers]), 0)
         self.received_bytes = dict.fromkeys(sorted([rank, *peers]), 0)
         self.duplicates = 0
@@ -229,10 +251,9 @@ class Destination(_Side):
                     if msg.header["frames"] != frames:
                         raise ProtocolError(peer, "done.frames", f"expected {frames}, got {msg.header['frames']}")
                     break
-                if msg.header.parts:
+                if msg.header.parts:  # after a failure too: what arrives is still written
                     frames += msg.header.num_frames
-                    if self.failure is None:  # after a failure, drain and drop
-                        self.queue.put(("parts", peer, unpack(msg.header, msg.payload, peer)))
+                    self.queue.put(("parts", peer, unpack(msg.header, msg.payload, peer)))
         except BaseException as e:
             end = e
             if isinstance(e, PeerLostError):
@@ -240,6 +261,7 @@ class Destination(_Side):
         self.queue.put(("end", peer, end))  # the writer consumes until every source has ended
 
     def _write_loop(self) -> None:
+        """Write everything that arrives, after a failure elsewhere too, until a write itself fails."""
         buffered, nbytes, open_sources = [], 0, {*self.channels, self.rank}
         while open_sources:
             kind, src, item = self.queue.get()
@@ -248,26 +270,29 @@ class Destination(_Side):
                 if item is not None:
                     self._fail(item)
                 continue
+            if self.write_failed:
+                continue  # drain
             try:
                 parts = local_parts(item, src) if kind == "local" else item
                 frames = sum(p.num_frames for p in parts)
                 size = sum(p.nbytes for p in parts)
                 self.received[src] += frames
                 self.received_bytes[src] += size
+                size += _MERGE_BYTES_PER_FRAME * frames
                 self._progress(frames)
-                if self.failure is not None:
-                    continue
                 buffered += parts
                 nbytes += size
                 if nbytes >= self.spill_bytes:
                     self._spill(buffered)
                     buffered, nbytes = [], 0
             except BaseException as e:
+                self.write_failed = True
                 self._fail(e)
-        if self.failure is None and buffered:
+        if not self.write_failed and buffered:
             try:
                 self._spill(buffered)
             except BaseException as e:
+                self.write_failed = True
                 self._fail(e)
 
     def _spill(self, parts: list) -> None:
@@ -332,11 +357,26 @@ class Destination(_Side):
             self.queue.put(("end", self.rank, None))
 
     def abort(self, exc: BaseException) -> None:
-        """Answer ``error`` to every peer, drain them, keep committed shards, write no index."""
+        """Answer ``error`` to every peer, write what arrives until their streams end, keep the shards.
+
+        Nothing received is lost: rank dst's own frames, every chunk received before the failure
+        and those its peers still send are committed to ``<path>.partial``, listed in
+        ``tdgather.incomplete.json`` (unless the failure is the writing itself). No index is written.
+        """
         self._fail(exc)
+        if len(self.store) and not self.local_ended:
+            self.queue.put(self._chunk(self.store))  # the writer drains the queue, so this returns
+            self.store = FrameStore()
         self._end_local()
         self.writer_thread.join()
         for t in self.receivers:
             t.join()
         self.bar.close()
-        self.writer.abort()
+        if self.write_failed:
+            self.writer.abort()
+            return
+        try:
+            dropped = self.duplicates + self.writer.duplicates_dropped
+            self.writer.abort(self.failure, {"frames_per_rank": self.received, "duplicates_dropped": dropped})
+        except OSError:
+            self.writer.abort()  # the original error matters more than the list of what was saved

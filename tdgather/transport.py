@@ -98,7 +98,10 @@ class Channel:
         if size:
             tensors.append(payload)
         self._seq_out += 1
-        return [(t, dist.isend(t, group=self.group, group_dst=self.peer)) for t in tensors]
+        try:
+            return [(t, dist.isend(t, group=self.group, group_dst=self.peer)) for t in tensors]
+        except RuntimeError as e:  # gloo refuses to post on a pair it has closed
+            raise self._lost(e, "posting a send", self.timeout) from e
 
     def wait(self, works: list, what: str = "a send") -> None:
         """Wait for posted sends, each for at most the timeout."""
@@ -135,12 +138,17 @@ class Channel:
         try:
             work.wait(timeout)
         except RuntimeError as e:
-            seconds = timeout.total_seconds()
-            if "timed out" in str(e).lower():
-                cause = (
-                    f"no progress for {seconds:g} s on {what}; a timed-out gloo pair cannot be reused, "
-                    "so the rank is treated as lost. If it is only slow, pass a larger timeout="
-                )
-            else:
-                cause = f"its connection failed during {what} ({e}); the process probably died: check its log"
-            raise PeerLostError(self.peer, "PeerLost", cause) from e
+            raise self._lost(e, what, timeout) from e
+
+    def _lost(self, e: RuntimeError, what: str, timeout: timedelta) -> PeerLostError:
+        if "timed out" in str(e).lower():
+            cause = (
+                f"no progress for {timeout.total_seconds():g} s on {what}; a timed-out gloo pair cannot be reused, "
+                "so the rank is treated as lost. If it is only slow, pass a larger timeout="
+            )
+        else:
+            cause = (
+                f"its connection failed during {what} ({e}); the process probably died, or it timed out "
+                "waiting for another rank (gloo then closes all its connections): check its log"
+            )
+        return PeerLostError(self.peer, "PeerLost", cause)

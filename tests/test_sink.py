@@ -5,12 +5,14 @@ import os
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors import safe_open
 
 import tdgather
 import tdgather.sink
 from tdgather.errors import OutputError
-from tdgather.sink import INDEX_NAME
+from tdgather.sink import INDEX_NAME, _add_runs, _in_runs
 
 from .cases import MIXED, DepthMask, assert_same_value, bits, value
 
@@ -151,3 +153,16 @@ def test_incremental_conflicts_raise_and_abort_keeps_committed_shards(tmp_path):
     partial = w.abort()
     assert partial == tmp_path / "ds.partial" and sorted(os.listdir(partial)) == ["shard-00000.safetensors"]
     assert not (tmp_path / "ds").exists()
+
+
+@given(st.lists(st.lists(st.integers(0, 60), min_size=1, max_size=30), min_size=1, max_size=6))
+def test_written_frame_runs_match_a_set(batches):
+    """The writer remembers frames written as runs: membership must equal a plain set's."""
+    runs, seen = None, set()
+    probe = torch.arange(-3, 70)
+    for idx in batches:
+        runs = _add_runs(runs, torch.tensor(idx))
+        seen |= set(idx)
+        assert _in_runs(runs, probe).tolist() == [int(x) in seen for x in probe]
+        assert bool((runs[1:, 0] > runs[:-1, 1] + 1).all())  # disjoint, not even touching
+    assert sum(int(b - a + 1) for a, b in runs.tolist()) == len(seen)

@@ -73,7 +73,8 @@ def test_sender_sequence_and_receiver_replay(wire):
     # replay the stream into rank 0's receiver
     wire.rank = 0
     wire.inbox[1] = deque(tensors)
-    parts = _receive_stream(Channel(None, 1, timedelta(seconds=5)))
+    parts = []
+    _receive_stream(Channel(None, 1, timedelta(seconds=5)), parts)
     assert [p.files for p in parts] == [["a.mp4", "b.mp4"]] and parts[0].rank == 1
     assert parts[0].frame_idx.tolist() == [0, 1, 4]
 
