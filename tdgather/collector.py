@@ -16,8 +16,10 @@ Call order, on every rank of the group:
    last shard and the index, answers each peer, and returns a `CollectorSummary`.
 
 On an error anywhere (an exception in the block, a failed or lost peer), every rank raises
-within the timeout. Rank ``dst`` answers ``error`` to every peer at once, drains what they
-still send, keeps the shards already committed in ``<path>.partial``, and writes no index.
+within the timeout. Rank ``dst`` answers ``error`` to every peer at once, writes everything
+that reached it (until each peer's stream ends) to ``<path>.partial``, lists it there in
+``tdgather.incomplete.json`` (read with ``tdgather.open(path, incomplete=True)``), and writes
+no index.
 """
 
 from __future__ import annotations
@@ -150,7 +152,7 @@ class Collector:
         return self.summary
 
     def abort(self, exc: BaseException) -> None:
-        """Stop because of ``exc``: tell every rank, keep committed shards, write no index."""
+        """Stop because of ``exc``: tell every rank; rank dst keeps what reached it, and writes no index."""
         side, self._side = self._side, None
         if side is not None:
             side.abort(exc)

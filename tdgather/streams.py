@@ -29,6 +29,7 @@ from .wire import Kind, error_header, local_parts, pack, unpack
 __all__ = ["Destination", "Sender"]
 
 _ANSWER_WAIT = timedelta(days=30)  # a sender waits this long for rank dst's final answer
+_POLL = 0.1  # seconds between the send thread's looks at dst's answer while idle
 _AFTER_ANSWER = 5.0  # seconds a sender still waits for its sends once dst has answered
 _CLOSE = object()
 # What merging a buffer costs per frame beyond its bytes (sort keys, permutations, masks, int64
@@ -128,13 +129,19 @@ class Sender(_Side):
         self.pending_peak = max(self.pending_peak, self.queue.qsize())
 
     def _send_loop(self) -> None:
+        last = time.monotonic()
         try:
             while True:
+                if self.answer is not None and self.failure is not None:  # dst failed: end the stream
+                    raise self.failure  # now, not at the loop's next add(), which may be far off
                 try:
-                    item = self.queue.get(timeout=self.heartbeat)
+                    item = self.queue.get(timeout=_POLL)
                 except queue.Empty:
-                    self.ch.wait(self.ch.send(Kind.DATA, {"parts": []}), "a heartbeat")
+                    if time.monotonic() - last >= self.heartbeat:
+                        self.ch.wait(self.ch.send(Kind.DATA, {"parts": []}), "a heartbeat")
+                        last = time.monotonic()
                     continue
+                last = time.monotonic()
                 if item is _CLOSE:
                     self.ch.wait(self.ch.send(Kind.DONE, {"frames": self.frames}), "the done message")
                     return
@@ -154,12 +161,13 @@ class Sender(_Side):
 
     def _watch(self) -> None:
         try:
-            self.answer = self.ch.recv(first_wait=_ANSWER_WAIT)
+            answer = self.ch.recv(first_wait=_ANSWER_WAIT)
         except BaseException as e:
             self.fail(e)
             return
-        if self.answer.kind == Kind.ERROR:
-            self.fail(PeerError(self.dst, self.answer.header["type"], self.answer.header["message"]))
+        if answer.kind == Kind.ERROR:
+            self.fail(PeerError(self.dst, answer.header["type"], answer.header["message"]))
+        self.answer = answer  # after the failure is recorded: the send loop reads both
 
     def close(self) -> None:
         """Flush, send ``done``, and wait for dst's answer (raises if it is ``error``)."""

@@ -26,6 +26,7 @@ from .cases import value
 B = 8  # frames per batch
 SHAPE = (3, 32)
 BATCHES = {0: 3, 1: 10, 2: 6}  # per rank, in the three-rank worlds
+LONG_STEP = 8.0  # seconds
 
 
 def batch(rank: int, b: int) -> tuple[list[str], list[int], torch.Tensor]:
@@ -113,6 +114,9 @@ def case_stream_fault(out: str, how: str, k: int, tmp: str, timeout: float) -> d
                 side = col._side
                 _wait_until(lambda: side.received[1] == k * B and side.received[2] == BATCHES[2] * B, "the frames")
                 go.touch()
+            if rank == 2 and how == "raise":
+                time.sleep(LONG_STEP)  # a long inference step: rank 0 must not wait for its next add()
+                col.add(*batch(rank, BATCHES[rank]))
     except Exception as e:
         seen = time.time()
         if rank == 0 and how == "stop":
