@@ -15,4 +15,4 @@ bench:
 
 lint:
 	./scripts/setup.sh dev
-	.venv/bin/ruff check tdgather tests benchmarks
+	.venv/bin/ruff check tdgather tests benchmarks examples

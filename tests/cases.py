@@ -410,3 +410,56 @@ def case_stream_open(out: str, overwrite: bool) -> dict:
     except Exception as e:
         return {"type": type(e).__name__, "message": str(e)}
     return {"type": None}
+
+
+# ---- many ranks, and an NCCL-style default group --------------------------------------------
+
+
+def case_many_ranks(out: str) -> dict | None:
+    """gather() and a Collector in one world of any size; rank 0 checks both against the inputs."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    p = predictions("split", rank, world)
+    p.update(predictions("uneven", rank, world))
+    result = tdgather.gather(p, timeout=120)
+    with tdgather.Collector(out, timeout=120, chunk_bytes=1024, progress=False) as col:
+        col.update(p)
+    if rank != 0:
+        return None
+    expected = reference([{**predictions("split", r, world), **predictions("uneven", r, world)} for r in range(world)])
+    assert_matches(result, expected)
+    ds = tdgather.open(out)
+    assert_matches({name: ds[name] for name in ds}, expected)
+    return {"frames": result.stats.frames, "ranks_sending": sum(1 for n in result.stats.frames_per_rank.values() if n)}
+
+
+def case_side_group(backend: str) -> dict | None:
+    """The default group reports ``backend``: tdgather makes one side gloo group and reuses it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    made = []
+    real_new_group, real_get_backend = dist.new_group, dist.get_backend
+
+    def new_group(*a, **k):
+        made.append(k.get("backend"))
+        return real_new_group(*a, **k)
+
+    dist.new_group = new_group
+    dist.get_backend = lambda group=None: backend if group in (None, dist.group.WORLD) else real_get_backend(group)
+    try:
+        for _ in range(3):
+            result = tdgather.gather(predictions("uneven", rank, world), timeout=60)
+    finally:
+        dist.new_group, dist.get_backend = real_new_group, real_get_backend
+    if rank == 0:
+        assert_matches(result, reference([predictions("uneven", r, world) for r in range(world)]))
+    return {"made": made}
+
+
+def case_writer_per_node(out: str, ranks_per_node: int) -> dict:
+    """One Collector per "node" (a subgroup of consecutive ranks): each node's first rank writes its part."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    node_group, _ = dist.new_subgroups(group_size=ranks_per_node, backend="gloo")
+    node = rank // ranks_per_node
+    p = predictions("uneven", rank, world)
+    with tdgather.Collector(f"{out}/node-{node}", group=node_group, timeout=60, progress=False) as col:
+        col.update(p)
+    return {"node": node, "wrote": col.summary is not None}

@@ -2,6 +2,7 @@
 
 import pytest
 
+import tdgather
 from tdgather.launch import run_local_world
 
 from . import cases
@@ -67,3 +68,28 @@ def test_frame_store_batches(world):
 
 def test_rank_0_never_unpickles():
     assert run_local_world(cases.case_no_unpickle, 3, "nested", timeout=120)[0]["frames"] > 0
+
+
+@pytest.mark.parametrize("world", [16, 32])
+def test_many_ranks(tmp_path, world):
+    out = run_local_world(cases.case_many_ranks, world, str(tmp_path / "ds"), timeout=280)
+    assert out[1:] == [None] * (world - 1)
+    assert out[0]["ranks_sending"] == world  # every rank held frames, so every stream carried data
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl", "gloo"])
+def test_side_gloo_group_is_made_once_and_reused(backend):
+    out = run_local_world(cases.case_side_group, 3, backend, timeout=120)
+    want = [] if backend == "gloo" else ["gloo"]  # three gathers, one group
+    assert [r["made"] for r in out] == [want] * 3
+
+
+def test_one_writer_per_node_with_node_groups(tmp_path):
+    out = run_local_world(cases.case_writer_per_node, 4, str(tmp_path), 2, timeout=120)
+    assert [(r["node"], r["wrote"]) for r in out] == [(0, True), (0, False), (1, True), (1, False)]
+    got = {}
+    for node in (0, 1):
+        ds = tdgather.open(tmp_path / f"node-{node}")
+        got.update({name: ds[name] for name in ds})
+    expected = cases.reference([cases.predictions("uneven", r, 4) for r in range(4)])
+    cases.assert_matches(dict(sorted(got.items())), expected)

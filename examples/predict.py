@@ -1,0 +1,66 @@
+r"""An inference job under torchrun: every rank predicts its share, rank 0 writes one dataset.
+
+One machine (4 processes):
+
+    torchrun --standalone --nproc-per-node=4 examples/predict.py --out out/predict
+
+Several machines: the same command on every node, with the same rendezvous id and endpoint
+(a host:port reachable from every node); `--out` must be writable on the node that gets rank 0:
+
+    torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-id=predict-42 \
+             --rdzv-endpoint=node0.example.com:29400 examples/predict.py --out /data/predict
+
+On GPUs the default group is ``cpu:gloo,cuda:nccl`` and the model runs on the GPU; tdgather sends
+on its own gloo group and nothing comes back to a GPU. Without GPUs it is plain gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import tdgather
+from tdgather.demo import DemoNet, assignment, video_frames
+
+
+def main() -> None:
+    """Parse the arguments, join the job, predict and collect."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="out/predict")
+    p.add_argument("--videos", type=int, default=12)
+    p.add_argument("--max-frames", type=int, default=40)
+    p.add_argument("--size", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds any single wait may take")
+    p.add_argument("--cpu", action="store_true", help="stay on the CPU even where CUDA is available")
+    args = p.parse_args()
+
+    cuda = torch.cuda.is_available() and not args.cpu
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    g = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(max(1, args.max_frames // 5), args.max_frames + 1, (args.videos,), generator=g).tolist()
+    torch.manual_seed(args.seed)  # the same weights on every rank
+    model = DemoNet().to(device).eval()
+    mine = assignment(args.seed, lengths, world)[rank]  # uneven, shuffled; the last rank gets nothing
+
+    with tdgather.Collector(args.out, overwrite=True, timeout=args.timeout) as col, torch.inference_mode():
+        for i in range(0, len(mine), args.batch):
+            batch = mine[i : i + args.batch]
+            x = torch.cat([video_frames(args.seed, v, [t], args.size) for v, t in batch]).to(device)
+            col.add([f"video_{v:04d}.mp4" for v, _ in batch], [t for _, t in batch], model(x))
+    if col.summary is not None:
+        print(col.summary, flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
