@@ -27,3 +27,15 @@ def test_suite_smoke(tmp_path, capsys):
         assert f"| mixed | {method} |" in text
     assert "torch 2." in text and "command: `tdgather bench" in text
     assert "failed" not in text
+
+
+def test_scaling_smoke(tmp_path):
+    from benchmarks.scaling import main as scaling
+
+    assert scaling(["--worlds", "2", "3", "--mb", "0.2", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    [report] = tmp_path.glob("*-scaling.md")
+    text = report.read_text()
+    for world in (2, 3):
+        for method in ("raw_p2p", "tdgather_store", "gather_object"):
+            assert f"| {world} | " in text and f" | {method} | " in text
+    assert text.count("\n| ") == 1 + 2 * 3  # the header row, then one row per (world, method)
