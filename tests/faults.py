@@ -12,6 +12,7 @@ import os
 import pickle
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -251,7 +252,7 @@ def case_corrupted_peers(names: list[str], evidence: str) -> dict | None:
         prelude, raw, payload = corrupted(names[rank - 1], rank, evidence)
         tensors = [torch.tensor(prelude, dtype=torch.int64), torch.frombuffer(bytearray(raw), dtype=torch.uint8)]
         works = [dist.isend(t, group_dst=0) for t in [*tensors, payload]]  # noqa: F841 (kept alive, never waited)
-        Channel(dist.group.WORLD, 0, timedelta_s(60)).recv()  # stay until rank 0 has read what it wanted
+        Channel(dist.group.WORLD, 0, timedelta(seconds=60)).recv()  # stay until rank 0 has read what it wanted
         return None
     allocated: list[int] = []
     real_empty = torch.empty
@@ -267,22 +268,16 @@ def case_corrupted_peers(names: list[str], evidence: str) -> dict | None:
         for peer, name in enumerate(names, start=1):
             allocated.clear()
             try:
-                Channel(dist.group.WORLD, peer, timedelta_s(60)).recv()
+                Channel(dist.group.WORLD, peer, timedelta(seconds=60)).recv()
                 out[name] = {"type": None}
             except tdgather.TdgatherError as e:
                 out[name] = _error(e, field=getattr(e, "field", None), largest_allocation=max(allocated))
     finally:
         torch.empty = real_empty
     for peer in range(1, len(names) + 1):
-        ch = Channel(dist.group.WORLD, peer, timedelta_s(60))
+        ch = Channel(dist.group.WORLD, peer, timedelta(seconds=60))
         ch.wait(ch.send(Kind.DONE, {"frames": 0}))
     return out
-
-
-def timedelta_s(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)
 
 
 def case_pickle_as_data(evidence: str) -> dict | None:
