@@ -53,7 +53,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from .reader import Dataset
 
-    ds = Dataset(args.path)
+    ds = Dataset(args.path, incomplete=args.incomplete)
     names = list(ds)
     shown = names if args.all else names[: args.limit]
     width = min(60, max([len(repr(n)) for n in shown] + [8]))
@@ -67,6 +67,10 @@ def _inspect(args: argparse.Namespace) -> int:
         f"total: {m['num_filenames']} filenames, {m['total_frames']} frames, {_size(m['total_bytes'])} "
         f"in {len(ds.index['shards'])} shard(s)"
     )
+    if "failure" in m:
+        f = m["failure"]
+        print(f"incomplete: saved before {f['type']}" + (f" (rank {f['rank']})" if f["rank"] is not None else ""))
+        print(f"  {f['message']}")
     return 0
 
 
@@ -102,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("path")
     inspect.add_argument("--limit", type=int, default=50, help="filenames to list (default 50)")
     inspect.add_argument("--all", action="store_true", help="list every filename")
+    inspect.add_argument("--incomplete", action="store_true", help="what a failed run saved in PATH.partial")
     inspect.set_defaults(run=_inspect)
     sub.add_parser("bench", help="benchmark against gather_object, tensordict, padding and the raw limit")
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -49,7 +49,10 @@ class Dataset(Mapping[str, Frames]):
         if not index_path.is_file():
             hint = ""
             if (partial / INCOMPLETE_NAME).exists():
-                hint = f"; a failed run saved frames in {str(partial)!r}: open(path, incomplete=True) reads them"
+                hint = (
+                    f"; a failed run saved frames in {str(partial)!r}: tdgather.open(path, incomplete=True) "
+                    "reads them (tdgather inspect --incomplete PATH lists them)"
+                )
             elif (partial / INDEX_NAME).exists():
                 hint = f"; {str(partial)!r} holds a complete dataset whose move into place was interrupted"
             elif partial.exists():

@@ -41,3 +41,15 @@ def test_inspect(tmp_path):
     assert "'a.mp4'" in run.stdout and "float32[2, 3]" in run.stdout
     assert "total: 1 filenames, 2 frames, 48 B in 1 shard(s)" in run.stdout
     assert main(["inspect", str(tmp_path / "missing")]) == 1
+
+
+def test_inspect_what_a_failed_run_saved(tmp_path, capsys):
+    writer = tdgather.sink.DatasetWriter(tmp_path / "ds")
+    writer.write(tdgather.gather({"a.mp4": (0, torch.zeros(4))}))
+    writer.abort(tdgather.PeerLostError(2, "PeerLost", "no progress for 60 s"))
+    assert main(["inspect", str(tmp_path / "ds")]) == 1
+    assert "tdgather.open(path, incomplete=True)" in capsys.readouterr().err
+    assert main(["inspect", "--incomplete", str(tmp_path / "ds")]) == 0
+    text = capsys.readouterr().out
+    assert "total: 1 filenames, 1 frames, 16 B in 1 shard(s)" in text
+    assert "incomplete: saved before PeerLostError (rank 2)" in text and "no progress for 60 s" in text
