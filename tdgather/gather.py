@@ -156,11 +156,10 @@ def _receive(predictions: Any, rank: int, channels: dict[int, Channel], start: f
             except Exception as e:
                 errors[peer] = e
     result = None
-    if not errors:
-        try:
-            result = _result(list(parts.values()), start, list(parts))
-        except Exception as e:
-            errors[-1] = e
+    try:  # also after a peer's failure: the error carries what arrived
+        result = _result(list(parts.values()), start, list(parts))
+    except Exception as e:
+        errors.setdefault(-1, e)  # rank dst's own input error, if any, comes first
     failure = errors[min(errors, key=lambda r: (r < 0, r))] if errors else None
     for peer, ch in channels.items():
         if isinstance(errors.get(peer), PeerLostError):
@@ -172,11 +171,8 @@ def _receive(predictions: Any, rank: int, channels: dict[int, Channel], start: f
         except PeerLostError as e:
             errors.setdefault(peer, e)
     if failure is not None:
-        if isinstance(failure, TdgatherError) and -1 not in errors:
-            try:  # nothing received is lost: the caller can still save it
-                failure.received = _result(list(parts.values()), start, list(parts))
-            except TdgatherError:
-                pass
+        if isinstance(failure, TdgatherError):
+            failure.received = result  # nothing received is lost: the caller can still save it
         raise failure
     return result
 

@@ -30,11 +30,10 @@ class Dataset(Mapping[str, Frames]):
         path: the dataset directory.
         index: the parsed ``tdgather.index.json``.
         metadata: totals and user metadata; for an incomplete dataset, ``metadata["failure"]``.
-        complete: False when opened with ``incomplete=True``.
     """
 
     def __init__(self, path: str | os.PathLike, incomplete: bool = False) -> None:
-        self.path, self.complete = Path(path), not incomplete
+        self.path = Path(path)
         partial = self.path.with_name(self.path.name + ".partial")
         if incomplete:
             if not self.path.name.endswith(".partial"):

@@ -245,6 +245,11 @@ class Destination(_Side):
         for t in [*self.receivers, self.writer_thread]:
             t.start()
 
+    @property
+    def duplicates_dropped(self) -> int:
+        """Identical duplicates dropped: in the merges, and against shards already written."""
+        return self.duplicates + self.writer.duplicates_dropped
+
     def _chunk(self, store: FrameStore) -> Any:
         return ("local", self.rank, store)
 
@@ -345,14 +350,14 @@ class Destination(_Side):
             t.join()
         self.bar.close()
         self.check()
-        self.writer.commit({"duplicates_dropped": self.duplicates + self.writer.duplicates_dropped})
+        self.writer.commit({"duplicates_dropped": self.duplicates_dropped})
         self._answer_all(Kind.DONE, {"frames": self.writer.frames})
         end = time.perf_counter()
         return {
             "path": str(self.col.path),
             "frames": self.writer.frames,
             "bytes": self.writer.nbytes,
-            "duplicates_dropped": self.duplicates + self.writer.duplicates_dropped,
+            "duplicates_dropped": self.duplicates_dropped,
             "frames_per_rank": dict(self.received),
             "shards": len(self.writer.shards),
             "seconds": end - self.start,
@@ -381,10 +386,9 @@ class Destination(_Side):
             t.join()
         self.bar.close()
         if self.write_failed:
-            self.writer.abort()
-            return
+            return  # the committed shards stay; nothing more can be written
         try:
-            dropped = self.duplicates + self.writer.duplicates_dropped
-            self.writer.abort(self.failure, {"frames_per_rank": self.received, "duplicates_dropped": dropped})
+            meta = {"frames_per_rank": self.received, "duplicates_dropped": self.duplicates_dropped}
+            self.writer.abort(self.failure, meta)
         except OSError:
-            self.writer.abort()  # the original error matters more than the list of what was saved
+            pass  # the original error matters more than the list of what was saved
