@@ -2,6 +2,8 @@
 
 from .collector import Collector, CollectorSummary
 from .errors import (
+    CallMismatchError,
+    DatasetError,
     DuplicateFrameError,
     FrameConflictError,
     OutputError,
@@ -20,9 +22,11 @@ from .sink import save
 from .store import FrameStore
 
 __all__ = [
+    "CallMismatchError",
     "Collector",
     "CollectorSummary",
     "Dataset",
+    "DatasetError",
     "DuplicateFrameError",
     "FrameConflictError",
     "FrameStore",

@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CallMismatchError",
+    "DatasetError",
     "DuplicateFrameError",
     "FrameConflictError",
     "OutputError",
@@ -94,3 +96,24 @@ class ShapeMismatchError(FrameConflictError):
 
 class OutputError(TdgatherError, OSError):
     """The output directory cannot be used, or writing it failed."""
+
+
+class DatasetError(TdgatherError, ValueError):
+    """A saved dataset on disk is malformed, truncated or hostile (refused before it is used).
+
+    Attributes:
+        file: the file that is wrong (the index or a shard).
+        field: the index or header field that is wrong.
+    """
+
+    def __init__(self, file: str, field: str, message: str) -> None:
+        super().__init__(
+            f"{file}: {field}: {message}. The dataset was not written by tdgather as it is now (edited by hand, "
+            "truncated or corrupted): restore it, or write it again"
+        )
+        self.file = file
+        self.field = field
+
+
+class CallMismatchError(TdgatherError):
+    """The ranks of a group are not in the same tdgather call (a different ``dst``, a skipped call, ...)."""
