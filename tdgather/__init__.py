@@ -1,6 +1,7 @@
 """tdgather: gather per-rank frame predictions to one CPU process, without pickle, and save them."""
 
 from .collector import Collector, CollectorSummary
+from .duplicates import DuplicateCounts, DuplicatePolicy
 from .errors import (
     CallMismatchError,
     DatasetError,
@@ -27,7 +28,9 @@ __all__ = [
     "CollectorSummary",
     "Dataset",
     "DatasetError",
+    "DuplicateCounts",
     "DuplicateFrameError",
+    "DuplicatePolicy",
     "FrameConflictError",
     "FrameStore",
     "Frames",

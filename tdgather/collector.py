@@ -2,7 +2,8 @@
 
 Call order, on every rank of the group:
 
-1. ``open()`` (entering the ``with`` block): rank ``dst`` checks the output directory and
+1. ``open()`` (entering the ``with`` block): every rank agrees on the call (call number,
+   dst, path: `tdgather.transport.begin_call`); rank ``dst`` checks the output directory and
    answers every peer ``done`` (ready) or ``error``. Nothing is sent before that.
 2. ``add()`` / ``update()`` in the loop: frames go into a `FrameStore`. Every
    ``chunk_bytes`` the chunk is handed to a background thread, which packs and sends it.
@@ -10,10 +11,12 @@ Call order, on every rank of the group:
    An idle sender sends an empty ``data`` message every ``timeout / 4``, so that rank
    ``dst`` can tell a slow rank from a stopped one.
 3. Rank ``dst`` receives every peer on its own thread. A writer thread buffers the parts
-   and, when the buffer passes its share of ``memory_budget``, merges it and commits shards
-   (`DatasetWriter`). A filename may so span several shards, as segments.
-4. ``close()`` (leaving the block): senders flush and send ``done``; rank ``dst`` writes the
-   last shard and the index, answers each peer, and returns a `CollectorSummary`.
+   and, when the buffer passes its share of ``memory_budget``, merges it (lowest rank first,
+   duplicates by the policy) and commits shards (`DatasetWriter`). A filename may so span
+   several shards, as segments. Until it answers, rank ``dst`` sends every peer a heartbeat.
+4. ``close()`` (leaving the block): senders flush, send ``done`` and wait for rank ``dst``'s
+   answer for as long as it sends heartbeats (ranks may finish hours apart); rank ``dst``
+   writes the last shard and the index, answers each peer, and returns a `CollectorSummary`.
 
 On an error anywhere (an exception in the block, a failed or lost peer), every rank raises
 within the timeout. Rank ``dst`` answers ``error`` to every peer at once, writes everything
@@ -34,9 +37,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .duplicates import DuplicateCounts, DuplicatePolicy
 from .sink import DEFAULT_SHARD_BYTES
 from .streams import Destination, Sender
-from .transport import as_timeout, transport_group
+from .transport import Call, as_timeout, begin_call, transport_group
 
 __all__ = ["Collector", "CollectorSummary"]
 
@@ -55,6 +59,7 @@ class CollectorSummary:
     shards: int = 0
     seconds: float = 0.0
     close_seconds: float = 0.0
+    duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
 
     @property
     def throughput_mb_s(self) -> float:
@@ -63,9 +68,11 @@ class CollectorSummary:
 
     def __str__(self) -> str:
         per_rank = ", ".join(f"{r}: {n}" for r, n in self.frames_per_rank.items())
+        d = self.duplicates
+        dups = f"{d.dropped} duplicates dropped ({d.exact} exact, {d.inexact} inexact, max diff {d.max_abs_diff:g})"
         return (
-            f"tdgather: {self.frames} frames, {self.bytes / 1e6:.1f} MB, {self.duplicates_dropped} duplicates "
-            f"dropped, per rank {{{per_rank}}}, {self.shards} shards in {self.path}, {self.seconds:.2f} s "
+            f"tdgather: {self.frames} frames, {self.bytes / 1e6:.1f} MB, {dups}, "
+            f"per rank {{{per_rank}}}, {self.shards} shards in {self.path}, {self.seconds:.2f} s "
             f"({self.throughput_mb_s:.1f} MB/s), close {self.close_seconds:.3f} s"
         )
 
@@ -82,8 +89,14 @@ class Collector:
         path: the dataset directory (used on rank ``dst``; see `tdgather.save` for the layout).
         dst: the group rank that receives and writes.
         group: the process group (default: the world); NCCL groups get a side gloo group.
-        timeout: seconds (or a timedelta) any single wait may take; default 30 minutes.
-        overwrite: replace an existing dataset, atomically, when the new one is complete.
+        timeout: seconds of silence from another rank that count as a failure; default 30 minutes.
+            Busy ranks send heartbeats, so ranks may finish far apart.
+        overwrite: replace an existing tdgather dataset (or a failed run's leftovers), atomically,
+            when the new one is complete; any other non-empty directory is refused.
+        duplicates: copies of one ``(filename, frame_idx)``: ``"keep"`` one (the default),
+            ``"exact"``, or ``DuplicatePolicy("close", rtol=..., atol=...)``; see `tdgather.gather`.
+        copy: copy CPU frames given to ``add`` (default), so the loop may reuse its buffers; with
+            False they are sent from the caller's tensors, which must then not change.
         memory_budget: bytes rank ``dst`` may hold above its baseline (default 1 GiB).
         chunk_bytes: a sender sends its frames every this many bytes (default from the budget).
         max_pending: unsent chunks a rank may hold before ``add()`` waits.
@@ -100,6 +113,8 @@ class Collector:
         group: Any = None,
         timeout: float | timedelta | None = None,
         overwrite: bool = False,
+        duplicates: str | DuplicatePolicy = "keep",
+        copy: bool = True,
         memory_budget: int = 1 << 30,
         chunk_bytes: int | None = None,
         max_pending: int = 2,
@@ -111,8 +126,10 @@ class Collector:
         self.timeout = as_timeout(timeout)
         self.overwrite, self.memory_budget, self.max_pending = overwrite, memory_budget, max(1, max_pending)
         self.max_shard_bytes, self.progress, self.log_summary = max_shard_bytes, progress, log_summary
+        self.duplicates, self.copy = DuplicatePolicy.of(duplicates), copy
         self._chunk_bytes = chunk_bytes
         self._side: Sender | Destination | None = None
+        self._call: Call | None = None
         self.summary: CollectorSummary | None = None  # set by close() on rank dst
 
     def open(self) -> Collector:
@@ -123,10 +140,18 @@ class Collector:
         if not 0 <= self.dst < world:
             raise ValueError(f"dst: expected a group rank in 0..{world - 1}, got {self.dst}")
         chunk = self._chunk_bytes or min(64 << 20, max(256 << 10, self.memory_budget // (8 * (world + 1))))
-        if rank == self.dst:
-            self._side = Destination(self, pg, rank, [p for p in range(world) if p != rank], chunk)
-        else:
-            self._side = Sender(self, pg, chunk)
+        if not distributed:
+            self._side = Destination(self, None, rank, [], chunk)
+            return self
+        self._call = begin_call(pg, "Collector", self.dst, self.timeout, str(self.path))
+        try:
+            if rank == self.dst:
+                self._side = Destination(self, self._call, rank, [p for p in range(world) if p != rank], chunk)
+            else:
+                self._side = Sender(self, self._call, chunk)
+        except BaseException:
+            self._end_call()
+            raise
         return self
 
     def add(self, filenames: str | Sequence[str], frame_idx: Any, frames: Any) -> None:
@@ -145,6 +170,8 @@ class Collector:
         except BaseException as e:
             side.abort(e)
             raise
+        finally:
+            self._end_call()
         if figures is not None:
             self.summary = CollectorSummary(**figures)
             if self.log_summary:
@@ -154,8 +181,16 @@ class Collector:
     def abort(self, exc: BaseException) -> None:
         """Stop because of ``exc``: tell every rank; rank dst keeps what reached it, and writes no index."""
         side, self._side = self._side, None
-        if side is not None:
-            side.abort(exc)
+        try:
+            if side is not None:
+                side.abort(exc)
+        finally:
+            self._end_call()
+
+    def _end_call(self) -> None:
+        if self._call is not None:
+            self._call.end()
+            self._call = None
 
     def __enter__(self) -> Collector:
         return self.open()

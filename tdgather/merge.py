@@ -2,9 +2,10 @@
 
 Parts of one layout are merged together, vectorised:
 
-1. sort every row by (filename, frame_idx);
-2. find duplicates: identical ones (``DistributedSampler`` padding) are dropped
-   and counted, conflicting ones raise;
+1. sort every row by (filename, frame_idx), stably, parts in the order given (callers pass
+   them by rank, so the first copy of a frame is the lowest rank's);
+2. find duplicates (``DistributedSampler`` padding): every later copy is compared with the
+   first and resolved by the `tdgather.duplicates` policy (kept once and counted by default);
 3. a filename whose rows all came from one part, already in order, is returned
    as views of the received buffer (no copy);
 4. the rows of every other filename are scattered once into one new buffer.
@@ -12,28 +13,50 @@ Parts of one layout are merged together, vectorised:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
-from .errors import DuplicateFrameError, ShapeMismatchError
+from .duplicates import DuplicateCounts, compare, conflict
+from .errors import ShapeMismatchError
 from .frames import Frames, Layout, Part, rebuild, row_view, run_start, scatter_rows
 
-__all__ = ["merge"]
+__all__ = ["Merged", "merge"]
 
 
-def merge(parts: list[Part]) -> tuple[dict[str, Frames], int]:
-    """Merge the parts of every rank.
+@dataclass
+class Merged:
+    """The result of a merge.
 
-    Returns:
-        ``({filename: Frames}, duplicates_dropped)``, filenames in sorted order.
+    Attributes:
+        files: ``{filename: Frames}``, filenames sorted.
+        duplicates: the copies dropped.
+        ranks: for each filename, the ranks that sent frames of it.
+    """
+
+    files: dict[str, Frames]
+    duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
+    ranks: dict[str, set[int]] = field(default_factory=dict)
+
+
+def merge(parts: list[Part], duplicates: Any = "keep") -> Merged:
+    """Merge the parts of every rank, in the order given (the first copy of a frame is kept).
+
+    Args:
+        parts: the parts, lowest rank first for a deterministic choice among copies.
+        duplicates: the `tdgather.duplicates.DuplicatePolicy` (or its mode name).
 
     Raises:
         ShapeMismatchError: two ranks sent one filename with different layouts.
-        DuplicateFrameError: one ``(filename, frame_idx)`` came with different values.
+        DuplicateFrameError: copies of one ``(filename, frame_idx)`` that the policy refuses.
     """
     by_layout: dict[Layout, list[Part]] = {}
     owner: dict[str, Part] = {}
+    ranks: dict[str, set[int]] = {}
     for part in parts:
         for name in part.files:
+            ranks.setdefault(name, set()).add(part.rank)
             first = owner.setdefault(name, part)
             if first.layout != part.layout:
                 raise ShapeMismatchError(
@@ -43,11 +66,13 @@ def merge(parts: list[Part]) -> tuple[dict[str, Frames], int]:
                 )
         by_layout.setdefault(part.layout, []).append(part)
     out: dict[str, Frames] = {}
-    dropped = sum(_merge_layout(layout, group, out) for layout, group in by_layout.items())
-    return dict(sorted(out.items())), dropped
+    found = DuplicateCounts()
+    for layout, group in by_layout.items():
+        found += _merge_layout(layout, group, out, duplicates)
+    return Merged(dict(sorted(out.items())), found, ranks)
 
 
-def _merge_layout(layout: Layout, group: list[Part], out: dict[str, Frames]) -> int:
+def _merge_layout(layout: Layout, group: list[Part], out: dict[str, Frames], policy: Any) -> DuplicateCounts:
     names = sorted({n for p in group for n in p.files})
     fid = {n: i for i, n in enumerate(names)}
     sizes = [p.num_frames for p in group]
@@ -59,10 +84,16 @@ def _merge_layout(layout: Layout, group: list[Part], out: dict[str, Frames]) -> 
     order = order[torch.argsort(fids[order], stable=True)]
     sf, si = fids[order], idx[order]
     same_file = sf[1:] == sf[:-1]
-    # 2. duplicates
+    # 2. duplicates: each later copy against the first of its run
     dup = same_file & (si[1:] == si[:-1])
+    found = DuplicateCounts()
     if bool(dup.any()):
-        _check_duplicates(names, layout, group, bases, order[:-1][dup], order[1:][dup], sf[1:][dup], si[1:][dup])
+        rows = torch.arange(si.numel())
+        first_of_run = torch.cummax(torch.where(torch.cat([torch.tensor([True]), ~dup]), rows, 0), 0).values
+        later = rows[1:][dup]
+        found = _check_duplicates(
+            names, layout, group, bases, order[first_of_run[later]], order[later], sf[later], si[later], policy
+        )
     keep = torch.ones_like(si, dtype=torch.bool)
     keep[1:] = ~dup
     # 3. files sent whole, in order, by one part: consecutive source rows and no duplicates
@@ -98,7 +129,7 @@ def _merge_layout(layout: Layout, group: list[Part], out: dict[str, Frames]) -> 
             rows = range(src, src + n)
         json = [[values[r] for r in rows] for values in json_all]
         out[name] = Frames(frame_idx=frame_idx, frames=rebuild(layout, n, tensors, json), batch_size=[n])
-    return int(dup.sum())
+    return found
 
 
 def _scatter(layout: Layout, group: list[Part], bases: torch.Tensor, select: torch.Tensor) -> list[torch.Tensor]:
@@ -121,32 +152,31 @@ def _scatter(layout: Layout, group: list[Part], bases: torch.Tensor, select: tor
     return buffers
 
 
-def _check_duplicates(names, layout, group, bases, first, second, files, frames) -> None:
-    same = torch.ones_like(first, dtype=torch.bool)
-    for j in range(len(layout.leaves)):
-        same &= (_rows_at(group, bases, j, first) == _rows_at(group, bases, j, second)).all(dim=1)
-    for j in range(len(layout.nontensor)):
-        values = [v for p in group for v in p.json[j]]
-        same &= torch.tensor([values[a] == values[b] for a, b in zip(first.tolist(), second.tolist(), strict=True)])
-    if bool(same.all()):
-        return
-    k = int((~same).nonzero()[0])
-    ra, rb = (group[int(torch.searchsorted(bases, x, right=True)) - 1].rank for x in (first[k], second[k]))
-    who = f"ranks {ra} and {rb}" if ra != rb else f"rank {ra} (twice)"
-    raise DuplicateFrameError(
-        f"filename {names[int(files[k])]!r}, frame_idx {int(frames[k])}: {who} sent different values. Identical "
-        "duplicates (DistributedSampler padding) are dropped; different ones mean two predictions claim the "
-        "same frame: check how frames are assigned to ranks"
+def _check_duplicates(names, layout, group, bases, first, later, files, frames, policy) -> DuplicateCounts:
+    """Compare each later copy (positions in the parts' concatenation) with the first; raise on a refusal."""
+    json_all = [[v for p in group for v in p.json[j]] for j in range(len(layout.nontensor))]
+    verdict = compare(
+        layout,
+        [_rows_at(group, bases, j, later) for j in range(len(layout.leaves))],
+        [_rows_at(group, bases, j, first) for j in range(len(layout.leaves))],
+        [[values[i] for i in later.tolist()] for values in json_all],
+        [[values[i] for i in first.tolist()] for values in json_all],
+        policy,
     )
+    if bool(verdict.refused.any()):
+        k = int(verdict.refused.nonzero()[0])
+        ra, rb = (group[int(torch.searchsorted(bases, x, right=True)) - 1].rank for x in (first[k], later[k]))
+        raise conflict(names[int(files[k])], int(frames[k]), float(verdict.diff[k]), policy, f"ranks {ra} and {rb}")
+    return verdict.counts
 
 
 def _rows_at(group: list[Part], bases: torch.Tensor, leaf: int, positions: torch.Tensor) -> torch.Tensor:
-    """Rows at ``positions`` of the parts' concatenation, as bytes, for comparison."""
+    """Rows at ``positions`` of the parts' concatenation (leaf ``[K, ...]``, its own dtype)."""
     part_of = torch.searchsorted(bases, positions, right=True) - 1
-    width = group[0].leaves[leaf][:1].numel() * group[0].leaves[leaf].dtype.itemsize
-    rows = torch.empty((positions.numel(), width), dtype=torch.uint8)
+    sample = group[0].leaves[leaf]
+    rows = torch.empty((positions.numel(), *sample.shape[1:]), dtype=sample.dtype)
     for k, part in enumerate(group):
         mask = part_of == k
-        if bool(mask.any()):
-            rows[mask] = row_view(part.leaves[leaf], 1).index_select(0, positions[mask] - bases[k])
+        if bool(mask.any()) and rows[:1].numel():
+            row_view(rows, 1)[mask] = row_view(part.leaves[leaf], 1).index_select(0, positions[mask] - bases[k])
     return rows

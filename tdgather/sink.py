@@ -27,7 +27,7 @@ import ctypes
 import errno
 import json
 import os
-import shutil
+import re
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,8 +36,9 @@ from typing import Any
 import torch
 
 from ._dtypes import SAFETENSORS_CODE
-from .errors import DuplicateFrameError, OutputError, ShapeMismatchError
-from .frames import Frames, Layout, flatten, row_view
+from .duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
+from .errors import OutputError, ShapeMismatchError
+from .frames import Frames, Layout, flatten
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
@@ -56,20 +57,57 @@ INCOMPLETE_NAME = "tdgather.incomplete.json"  # what a failed run saved, in <nam
 DEFAULT_SHARD_BYTES = 1 << 30
 
 
+_OURS = re.compile(
+    r"(shard-\d{5}\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + r")"
+    r"|\.(shard-\d{5}\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + r")\.tmp-\d+"
+)
+
+
+def _foreign(directory: Path) -> list[str]:
+    """Entries of ``directory`` that tdgather did not write (sorted); [] unless it is a directory."""
+    if not directory.is_dir():
+        return []
+    names = os.listdir(directory)
+    return sorted(n for n in names if not (_OURS.fullmatch(n) and (directory / n).is_file()))
+
+
+def _describe(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
     """Refuse an output directory that cannot be used, before any work; return it.
 
-    The target must be absent, an empty directory, or (with ``overwrite=True``) an
-    existing dataset. Its parent must be creatable and writable.
+    The target must be absent, an empty directory, or (with ``overwrite=True``) a complete
+    tdgather dataset. ``<name>.partial`` must be absent, or (with ``overwrite=True``) hold only
+    what a tdgather run left there. Anything else is refused even with ``overwrite=True``:
+    tdgather never deletes a file it did not write. The parent must be creatable and writable.
     """
     target = Path(path)
     staging = _staging(target)
     if target.exists() and not target.is_dir():
         raise OutputError(f"output {str(target)!r}: expected a directory, got a file; choose another path")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
+    if target.is_dir() and any(target.iterdir()):
+        foreign = _foreign(target)
+        if foreign or not (target / INDEX_NAME).is_file():
+            what = f"it holds {_describe(foreign)}" if foreign else f"it has shards but no {INDEX_NAME}"
+            raise OutputError(
+                f"output {str(target)!r} is not empty and is not a tdgather dataset ({what}); tdgather never "
+                "replaces or deletes what it did not write, even with overwrite=True: choose another path, or "
+                "move those files away"
+            )
+        if not overwrite:
+            raise OutputError(
+                f"output {str(target)!r} already holds a tdgather dataset; pass overwrite=True to replace it "
+                "atomically (once the new one is complete), or choose another path"
+            )
+    foreign = _foreign(staging)
+    if staging.exists() and (foreign or not staging.is_dir()):
         raise OutputError(
-            f"output {str(target)!r} exists and is not empty; pass overwrite=True to replace it atomically, "
-            "or choose another path"
+            f"{str(staging)!r} is where tdgather stages {str(target)!r}, but it holds "
+            f"{_describe(foreign) if staging.is_dir() else 'a file'}, which tdgather did not write; move it away "
+            "(tdgather never deletes what it did not write, even with overwrite=True)"
         )
     if (staging / INDEX_NAME).exists() and not overwrite:
         raise OutputError(
@@ -92,6 +130,23 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
     return target
 
 
+def _remove_ours(directory: Path) -> None:
+    """Delete the files tdgather wrote in ``directory``, then the directory if that left it empty.
+
+    Never a tree: a file someone else put there meanwhile stays, and so does the directory.
+    """
+    if not directory.is_dir():
+        return
+    names = sorted(os.listdir(directory), key=lambda n: n != INDEX_NAME)  # the index first: never a
+    for name in names:  # "complete" dataset with shards missing, should this be interrupted
+        if _OURS.fullmatch(name) and (directory / name).is_file():
+            (directory / name).unlink(missing_ok=True)
+    try:
+        directory.rmdir()
+    except OSError:
+        pass  # not empty: something that is not ours appeared; it is left where it is
+
+
 class DatasetWriter:
     """Writes a dataset incrementally: shards as they fill, the index last.
 
@@ -99,8 +154,9 @@ class DatasetWriter:
 
     1. ``DatasetWriter(path, ...)`` checks the output and opens ``<path>.partial``;
     2. ``write(frames)`` any number of times: each call commits one or more shards. A filename
-       may appear in several calls; its frames then form several segments, and frames already
-       written are checked against the disk (identical ones dropped, different ones raise);
+       may appear in several calls; its frames then form several segments, and a frame already
+       written is compared with its copy on disk and resolved by the duplicates policy (the
+       copy on disk stays; the new one is dropped and counted, or refused);
     3. ``commit()`` writes the index and moves the dataset into place; or ``abort()``, which
        keeps the committed shards in ``<path>.partial`` and writes no index there, only (given
        the failure) ``tdgather.incomplete.json``, which lists them.
@@ -112,16 +168,19 @@ class DatasetWriter:
         *,
         overwrite: bool = False,
         max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+        duplicates: str | DuplicatePolicy = "keep",
     ) -> None:
+        self.policy = DuplicatePolicy.of(duplicates)
         self.target = check_output(path, overwrite)
         self.staging = _staging(self.target)
         self.overwrite = overwrite
         self.max_shard_bytes = max_shard_bytes
-        shutil.rmtree(self.staging, ignore_errors=True)
+        _remove_ours(self.staging)  # check_output allowed only tdgather's own files there
         self.staging.mkdir()
         self.files: dict[str, dict] = {}
         self.shards: dict[str, dict] = {}
-        self.duplicates_dropped = 0
+        self.duplicates = DuplicateCounts()  # copies dropped against frames already on disk
+        self._ranks: dict[str, set[int]] = {}  # per filename, the ranks whose frames were written
         self._layouts: dict[str, Layout] = {}
         self._written: dict[str, torch.Tensor] = {}  # per filename, frame_idx written, as [start, end] runs
 
@@ -135,8 +194,14 @@ class DatasetWriter:
         """Frame bytes committed so far."""
         return sum(s["bytes"] for s in self.shards.values())
 
-    def write(self, frames: Mapping[str, Frames]) -> list[str]:
-        """Commit ``{filename: Frames}`` as new shards; return their names."""
+    def write(self, frames: Mapping[str, Frames], ranks: Mapping[str, set[int]] | None = None) -> list[str]:
+        """Commit ``{filename: Frames}`` as new shards; return their names.
+
+        Args:
+            frames: the frames, one `Frames` per filename.
+            ranks: for each filename, the ranks that sent these frames (named in conflict errors).
+        """
+        ranks = ranks or {}
         shards: list[list[tuple]] = [[]]
         size = 0
         for name in sorted(frames):
@@ -144,7 +209,7 @@ class DatasetWriter:
             layout, tensors, json_values = flatten(f.frames, f.frame_idx.numel(), f"filename {name!r}")
             idx = f.frame_idx
             if name in self._layouts:
-                idx, tensors, json_values = self._drop_written(name, layout, idx, tensors, json_values)
+                idx, tensors, json_values = self._drop_written(name, layout, idx, tensors, json_values, ranks)
                 if not idx.numel():
                     continue
             nbytes = idx.numel() * (layout.frame_nbytes + 8)
@@ -164,6 +229,7 @@ class DatasetWriter:
                 entry["segments"].append(segment)
                 self._layouts[name] = layout
                 self._written[name] = _add_runs(self._written.get(name), idx)
+                self._ranks.setdefault(name, set()).update(ranks.get(name, ()))
             self.shards[shard_name] = {
                 "frames": sum(x[2].numel() for x in shard),
                 "bytes": sum(x[2].numel() * x[1].frame_nbytes for x in shard),
@@ -172,12 +238,16 @@ class DatasetWriter:
             written.append(shard_name)
         return written
 
-    def _drop_written(self, name: str, layout: Layout, idx: torch.Tensor, tensors: list, json_values: list) -> tuple:
-        """Drop frames of ``name`` already on disk when identical; raise when they differ."""
+    def _drop_written(
+        self, name: str, layout: Layout, idx: torch.Tensor, tensors: list, json_values: list, ranks: Mapping
+    ) -> tuple:
+        """Resolve frames of ``name`` already on disk by the policy: the disk copy stays, the new one goes."""
+        new_ranks, old_ranks = sorted(ranks.get(name, ())), sorted(self._ranks.get(name, ()))
         if layout != self._layouts[name]:
             raise ShapeMismatchError(
-                f"filename {name!r}: frames already written have {self._layouts[name].describe()}, new ones "
-                f"have {layout.describe()}; every frame of a filename must have the same structure, shape and dtype"
+                f"filename {name!r}: frames already written (from ranks {old_ranks}) have "
+                f"{self._layouts[name].describe()}, new ones (from ranks {new_ranks}) have {layout.describe()}; "
+                "every frame of a filename must have the same structure, shape and dtype"
             )
         again = _in_runs(self._written[name], idx)
         if not bool(again.any()):
@@ -187,23 +257,24 @@ class DatasetWriter:
         for segment in self.files[name]["segments"]:
             old_idx, old_tensors, old_json = read_segment(self.staging, segment, layout)
             new_pos = (again & torch.isin(idx, old_idx)).nonzero().flatten()
+            if not new_pos.numel():
+                continue
             old_pos = torch.searchsorted(old_idx, idx[new_pos])
-            same = torch.ones(new_pos.numel(), dtype=torch.bool)
-            for new, old in zip(tensors, old_tensors, strict=True):
-                same &= (row_view(new.index_select(0, new_pos), 1) == row_view(old.index_select(0, old_pos), 1)).all(1)
-            for new, old in zip(json_values, old_json, strict=True):
-                same &= torch.tensor(
-                    [new[a] == old[b] for a, b in zip(new_pos.tolist(), old_pos.tolist(), strict=True)]
-                )
-            if not bool(same.all()):
-                bad = int(idx[new_pos[(~same).nonzero()[0]]])
-                raise DuplicateFrameError(
-                    f"filename {name!r}, frame_idx {bad}: arrived again with a different value after its first "
-                    f"copy was written to {segment['shard']}. Identical duplicates (DistributedSampler padding) "
-                    "are dropped; different ones mean two predictions claim the same frame"
-                )
+            verdict = compare(
+                layout,
+                [t.index_select(0, new_pos) for t in tensors],
+                [t.index_select(0, old_pos) for t in old_tensors],
+                [[values[k] for k in new_pos.tolist()] for values in json_values],
+                [[values[k] for k in old_pos.tolist()] for values in old_json],
+                self.policy,
+            )
+            if bool(verdict.refused.any()):
+                k = int(verdict.refused.nonzero()[0])
+                who = f"rank(s) {new_ranks} and the copy from rank(s) {old_ranks}"
+                where = f" (the first copy was written to {segment['shard']} before this one arrived)"
+                raise conflict(name, int(idx[new_pos[k]]), float(verdict.diff[k]), self.policy, who, where)
+            self.duplicates += verdict.counts
         keep = (~again).nonzero().flatten()
-        self.duplicates_dropped += int(again.sum())
         kept_json = [[values[k] for k in keep.tolist()] for values in json_values]
         return idx[keep], [t.index_select(0, keep) for t in tensors], kept_json
 
@@ -254,7 +325,8 @@ def save(
     Args:
         frames: ``{filename: Frames}``, as `tdgather.gather` returns on rank ``dst``.
         path: the dataset directory to create.
-        overwrite: replace an existing dataset (atomically: the old one stays whole until the swap).
+        overwrite: replace an existing tdgather dataset (atomically: the old one stays whole until the
+            swap). A directory that is not a tdgather dataset is refused, even with this.
         max_shard_bytes: start a new shard when a shard would grow past this; one filename
             never spans shards in one call.
         metadata: extra JSON values stored in the index under ``"metadata"``.
@@ -263,8 +335,13 @@ def save(
         The dataset directory.
     """
     writer = DatasetWriter(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
-    writer.write(frames)
-    return writer.commit(metadata)
+    try:
+        writer.write(frames)
+        return writer.commit(metadata)
+    except BaseException:
+        if not (writer.staging / INDEX_NAME).exists():  # the caller still holds the frames: leave nothing
+            _remove_ours(writer.staging)
+        raise
 
 
 def _add_runs(runs: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
@@ -395,15 +472,20 @@ def _publish(staging: Path, target: Path, overwrite: bool) -> None:
     if target.exists() and any(target.iterdir()):
         if not overwrite:
             raise OutputError(f"output {str(target)!r} appeared while writing; pass overwrite=True to replace it")
+        if _foreign(target):  # appeared since check_output: keep the old dataset, and say so
+            raise OutputError(
+                f"output {str(target)!r} gained files tdgather did not write ({_describe(_foreign(target))}) "
+                f"while the new dataset was written; the new one is complete in {str(staging)!r}"
+            )
         if _exchange(staging, target):
             _fsync_dir(target.parent)
-            shutil.rmtree(staging)
+            _remove_ours(staging)
             return
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         os.rename(target, old)
         os.replace(staging, target)
         _fsync_dir(target.parent)
-        shutil.rmtree(old)
+        _remove_ours(old)
         return
     os.replace(staging, target)
     _fsync_dir(target.parent)

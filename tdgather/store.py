@@ -2,13 +2,23 @@
 
 Frames are grouped by `Layout` (structure, dtypes, per-frame shapes), so a
 group is a variable-length stack of same-shaped frames: it needs no padding.
-Filenames are interned to ids. CPU tensors are kept by reference (no copy);
-CUDA tensors are copied to the host once, here. The one real copy happens in
-`tdgather.wire.pack`, straight into the payload, in the order `plan` gives.
+Filenames are interned to ids.
+
+What the store keeps of a batch given to `FrameStore.add`:
+
+- CUDA tensors are copied to the host once, asynchronously, into pinned memory;
+- CPU tensors are copied (``copy=True``, the default), because inference loops often
+  reuse their output buffers, and ``inference_mode`` tensors carry no version counter
+  that could tell; with ``copy=False`` they are kept by reference, and the caller must
+  not modify them until they are sent;
+- either way, a view of a much larger storage (``out[:, :2]``) is compacted, so the
+  store holds, and the memory budget counts, only the frames' own bytes;
+- conjugate and negative views are resolved, so the bits sent are the values seen.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +83,10 @@ def _this_rank() -> int:
 class FrameStore:
     """The frames one rank holds, before they are sent.
 
+    Args:
+        copy: copy CPU tensors given to `add` (default), so the loop may reuse its output
+            buffers; with False they are kept by reference and must not change until sent.
+
     Example:
         >>> store = FrameStore()
         >>> store.add(["a.mp4", "a.mp4"], [1, 0], torch.zeros(2, 3))
@@ -81,7 +95,8 @@ class FrameStore:
         (3, 36)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, copy: bool = True) -> None:
+        self.copy = copy
         self._ids: dict[str, int] = {}
         self._names: list[str] = []
         self._file_layout: list[Layout] = []
@@ -95,20 +110,22 @@ class FrameStore:
         return self.num_frames
 
     def add(self, filenames: str | Sequence[str], frame_idx: torch.Tensor | Sequence[int], frames: Any) -> None:
-        """Add a batch of B frames.
+        """Add a batch of B frames (B may be 0).
 
         Args:
-            filenames: B names, or one name for all B frames.
-            frame_idx: B ints, as a tensor or a list.
+            filenames: B names (a list or tuple of str, as a DataLoader collates them), or one
+                name for all B frames.
+            frame_idx: B integers: an integer tensor or array, or a list of ints, numpy integers
+                or one-element integer tensors. Floats and bools are refused, never truncated.
             frames: ``Tensor[B, ...]``, or a dict / TensorDict / tensorclass with batch dim B.
         """
-        idx = _as_index(frame_idx)
+        idx = _as_index(frame_idx, "add() frame_idx")
         count = idx.numel()
         names = [filenames] * count if isinstance(filenames, str) else list(filenames)
         if len(names) != count:
             raise ValueError(f"add(): expected one filename per frame ({count}), got {len(names)} filenames")
         layout, tensors, json = flatten(frames, count, "add() frames")
-        self._append(names, idx, layout, tensors, json)
+        self._append(names, idx, layout, tensors, json, self.copy)
 
     def update(self, predictions: Mapping[str, Any]) -> None:
         """Add ``{filename: (frame_idx, value)}`` or ``{filename: [(frame_idx, value), ...]}``."""
@@ -138,15 +155,19 @@ class FrameStore:
                     for lst, v in zip(bucket.json, json, strict=True):
                         lst.append(v)
         for b in [*fast.values(), *other.values()]:
-            self._append(b.names, _as_index(b.idx), b.layout, [_stack(ts) for ts in b.leaves], b.json)
+            idx = _as_index(b.idx, "frame_idx", b.names)
+            self._append(b.names, idx, b.layout, [_stack(ts) for ts in b.leaves], b.json, copy=False)  # stacked
 
-    def _append(self, names: list[str], idx: torch.Tensor, layout: Layout, tensors: list, json: list) -> None:
+    def _append(
+        self, names: list[str], idx: torch.Tensor, layout: Layout, tensors: list, json: list, copy: bool
+    ) -> None:
+        if not idx.numel():
+            return
         layout = self._layouts.setdefault(layout, layout)
         for name in dict.fromkeys(names):
             fid = self._ids.get(name)
             if fid is None:
-                if not isinstance(name, str):
-                    raise UnsupportedValueError(f"expected str filenames, got {type(name).__name__} {name!r}")
+                _check_filename(name)
                 self._ids[name] = len(self._names)
                 self._names.append(name)
                 self._file_layout.append(layout)
@@ -159,14 +180,21 @@ class FrameStore:
                 )
         ids = self._ids
         file_ids = torch.tensor([ids[n] for n in names], dtype=torch.int64)
-        tensors = [self._to_host(t.detach()) for t in tensors]
+        tensors = [self._keep(t.detach(), copy) for t in tensors]
         self._chunks.setdefault(layout, []).append(_Chunk(file_ids, idx, tensors, json))
         self.num_frames += idx.numel()
         self.nbytes += idx.numel() * layout.frame_nbytes
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        """CPU tensors pass through; CUDA ones are copied once, asynchronously, into pinned memory."""
+    def _keep(self, t: torch.Tensor, copy: bool) -> torch.Tensor:
+        """What the store holds of ``t`` (see the module docstring): a CPU tensor of its own bytes."""
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()  # a new tensor already: no further copy needed
+            copy = False
         if t.device.type == "cpu":
+            if copy:
+                return t.clone(memory_format=torch.contiguous_format)
+            if t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() + 4096:
+                return t.clone(memory_format=torch.contiguous_format)  # a view of a larger storage
             return t
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
@@ -239,8 +267,8 @@ def as_store(predictions: FrameStore | Mapping[str, Any]) -> FrameStore:
 
 
 def _pairs(name: str, entry: Any) -> Iterable[Any]:
-    if isinstance(entry, tuple) and len(entry) == 2 and _is_index(entry[0]):
-        return (entry,)
+    if isinstance(entry, tuple) and len(entry) == 2 and not isinstance(entry[0], tuple | list):
+        return (entry,)  # one (frame_idx, value) pair; the index is checked with the others
     if isinstance(entry, list | tuple):
         return entry  # each item is unpacked (and checked) by the caller
     raise _not_a_pair(name, entry)
@@ -254,20 +282,58 @@ def _not_a_pair(name: str, got: Any) -> UnsupportedValueError:
 
 
 def _is_index(x: Any) -> bool:
-    return isinstance(x, int) or (isinstance(x, torch.Tensor) and x.dim() == 0)
-
-
-def _as_index(frame_idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    if isinstance(frame_idx, torch.Tensor):
-        if frame_idx.dtype.is_floating_point or frame_idx.dtype.is_complex or frame_idx.dtype == torch.bool:
-            raise UnsupportedValueError(f"frame_idx: expected integers, got dtype {frame_idx.dtype}")
-        if frame_idx.dim() > 1:
-            raise ValueError(f"frame_idx: expected one index per frame (1-d), got shape {list(frame_idx.shape)}")
-        return frame_idx.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+    """Whether ``x`` is one integer index: an int, a numpy integer, a one-element integer tensor."""
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        return False
     try:
-        return torch.tensor([int(i) for i in frame_idx], dtype=torch.int64)
-    except (TypeError, ValueError) as e:
-        raise UnsupportedValueError(f"frame_idx: expected a tensor or a list of ints, got {frame_idx!r:.80}") from e
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
+_INDEX_RULE = "integers (int, numpy integers, integer tensors or arrays); floats and bools are refused, not truncated"
+
+
+def _as_index(frame_idx: Any, where: str, names: Sequence[str] | None = None) -> torch.Tensor:
+    """The frame indices as int64 ``[B]`` on the CPU, refusing anything that is not integral."""
+    if not isinstance(frame_idx, torch.Tensor) and hasattr(frame_idx, "__array__") and hasattr(frame_idx, "dtype"):
+        frame_idx = torch.as_tensor(frame_idx)  # a numpy array
+    if isinstance(frame_idx, torch.Tensor):
+        dt = frame_idx.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+            raise UnsupportedValueError(f"{where}: expected {_INDEX_RULE}, got a tensor of dtype {dt}")
+        if frame_idx.dim() > 1:
+            raise ValueError(f"{where}: expected one index per frame (1-d), got shape {list(frame_idx.shape)}")
+        return frame_idx.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+    if isinstance(frame_idx, str | bytes) or not isinstance(frame_idx, Sequence | Iterable):
+        raise UnsupportedValueError(f"{where}: expected a sequence of {_INDEX_RULE}, got {type(frame_idx).__name__}")
+    values = list(frame_idx)
+    for k, i in enumerate(values):
+        if not _is_index(i):
+            owner = f" (filename {names[k]!r})" if names is not None else f" (position {k})"
+            raise UnsupportedValueError(f"{where}{owner}: expected {_INDEX_RULE}, got {type(i).__name__} {i!r:.40}")
+    try:
+        return torch.tensor([operator.index(i) for i in values], dtype=torch.int64)
+    except (OverflowError, RuntimeError) as e:
+        raise UnsupportedValueError(f"{where}: expected indices that fit in int64 ({e})") from e
+
+
+def _check_filename(name: Any) -> None:
+    """A filename must be a str that UTF-8 can encode (it travels in JSON headers and the index)."""
+    if not isinstance(name, str):
+        raise UnsupportedValueError(
+            f"expected str filenames, got {type(name).__name__} {name!r:.80}; pass the names as a list of str "
+            "(a DataLoader's default collate gives one)"
+        )
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnsupportedValueError(
+            f"filename {name!r:.200} cannot be encoded as UTF-8 ({e.reason} at position {e.start}); it looks like "
+            "os.fsdecode() of a non-UTF-8 name: pass a UTF-8 name, for example name.encode('utf-8', "
+            "'surrogateescape').decode('utf-8', 'backslashreplace')"
+        ) from None
 
 
 def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -9,26 +9,26 @@ is in `tdgather.collector`.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import sys
 import threading
 import time
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
 from tqdm import tqdm
 
-from .errors import PeerError, PeerLostError, ProtocolError
+from .duplicates import DuplicateCounts, DuplicatePolicy
+from .errors import FrameConflictError, PeerLostError, ProtocolError
 from .merge import merge
 from .sink import DatasetWriter
 from .store import FrameStore
-from .transport import Channel
+from .transport import Answers, Call, heartbeat_interval, peer_error
 from .wire import Kind, error_header, local_parts, pack, unpack
 
 __all__ = ["Destination", "Sender"]
 
-_ANSWER_WAIT = timedelta(days=30)  # a sender waits this long for rank dst's final answer
 _POLL = 0.1  # seconds between the send thread's looks at dst's answer while idle
 _AFTER_ANSWER = 5.0  # seconds a sender still waits for its sends once dst has answered
 _CLOSE = object()
@@ -55,9 +55,10 @@ def _return_freed_memory() -> None:
 class _Side:
     """What senders and rank dst share: the current chunk, back-pressure, the first failure."""
 
-    def __init__(self, chunk_bytes: int, max_pending: int) -> None:
+    def __init__(self, chunk_bytes: int, max_pending: int, copy: bool) -> None:
         self.chunk_bytes = chunk_bytes
-        self.store = FrameStore()
+        self.copy = copy
+        self.store = FrameStore(copy)
         self.queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self.failure: BaseException | None = None
         self.lock = threading.Lock()
@@ -87,7 +88,7 @@ class _Side:
     def _maybe_flush(self) -> None:
         if self.store.nbytes >= self.chunk_bytes:
             self.put(self._chunk(self.store))
-            self.store = FrameStore()
+            self.store = FrameStore(self.copy)
 
     def _chunk(self, store: FrameStore) -> Any:
         """What goes on the queue for a full chunk."""
@@ -107,16 +108,16 @@ class _Side:
 class Sender(_Side):
     """A rank other than dst: 1. wait for dst's ready, 2. send chunks behind the loop, 3. done or error."""
 
-    def __init__(self, col: Any, pg: Any, chunk_bytes: int) -> None:
-        super().__init__(chunk_bytes, col.max_pending)
+    def __init__(self, col: Any, call: Call, chunk_bytes: int) -> None:
+        super().__init__(chunk_bytes, col.max_pending, col.copy)
         self.timeout, self.dst = col.timeout, col.dst
-        self.ch = Channel(pg, col.dst, col.timeout)  # its send and receive sequences are independent
-        self.heartbeat = min(self.timeout.total_seconds() / 4, 30.0)
+        self.ch = call.channel(col.dst)  # its send and receive sequences are independent
+        self.heartbeat = heartbeat_interval(self.timeout)
         self.frames = 0
         self.pending_peak = 0
-        ready = self.ch.recv()  # 1. rank dst says whether the output can be written
+        ready = self.ch.recv_answer()  # 1. rank dst says whether the output can be written
         if ready.kind == Kind.ERROR:
-            raise PeerError(col.dst, ready.header["type"], ready.header["message"])
+            raise peer_error(col.dst, ready.header)
         self.answer = None
         self.thread = threading.Thread(target=self._send_loop, name="tdgather-send", daemon=True)
         self.watcher = threading.Thread(target=self._watch, name="tdgather-answer", daemon=True)
@@ -161,12 +162,12 @@ class Sender(_Side):
 
     def _watch(self) -> None:
         try:
-            answer = self.ch.recv(first_wait=_ANSWER_WAIT)
+            answer = self.ch.recv_answer()  # as long as dst sends heartbeats, however long its work takes
         except BaseException as e:
             self.fail(e)
             return
         if answer.kind == Kind.ERROR:
-            self.fail(PeerError(self.dst, answer.header["type"], answer.header["message"]))
+            self.fail(peer_error(self.dst, answer.header))
         self.answer = answer  # after the failure is recorded: the send loop reads both
 
     def close(self) -> None:
@@ -177,11 +178,7 @@ class Sender(_Side):
         self.put(_CLOSE)
         self._join_send_thread()
         self.check()
-        wait = 2 * self.timeout.total_seconds()  # dst may first wait up to the timeout for a stopped peer
-        self.watcher.join(wait)
-        if self.watcher.is_alive():
-            cause = f"no answer {wait:g} s after done; check rank {self.dst}'s log"
-            self.fail(PeerLostError(self.dst, "PeerLost", cause))
+        self.watcher.join()  # ends with dst's answer, or once dst is silent for the timeout
         self.check()
 
     def abort(self, exc: BaseException) -> None:
@@ -213,28 +210,31 @@ class Sender(_Side):
 class Destination(_Side):
     """Rank dst: 1. check the output and answer ready, 2. receive and write within the budget, 3. index."""
 
-    def __init__(self, col: Any, pg: Any, rank: int, peers: list[int], chunk_bytes: int) -> None:
-        super().__init__(chunk_bytes, col.max_pending)
+    def __init__(self, col: Any, call: Call, rank: int, peers: list[int], chunk_bytes: int) -> None:
+        super().__init__(chunk_bytes, col.max_pending, col.copy)
         _return_freed_memory()
         self.col, self.rank, self.start = col, rank, time.perf_counter()
-        self.channels = {p: Channel(pg, p, col.timeout) for p in peers}
-        self.answered: set[int] = set()
-        self.lost: set[int] = set()
+        self.channels = {p: call.channel(p) for p in peers}
+        self.answers = Answers(self.channels, heartbeat_interval(col.timeout))
+        self.policy = DuplicatePolicy.of(col.duplicates)
         self.local_ended = False
         self.write_failed = False
         self.received = dict.fromkeys(sorted([rank, *peers]), 0)
         self.received_bytes = dict.fromkeys(sorted([rank, *peers]), 0)
-        self.duplicates = 0
+        self.duplicates = DuplicateCounts()  # dropped within spills; the writer counts those against the disk
         # Peak on rank dst, in chunks c: one payload per receiver (W - 1) + the inbox (max_pending)
         # + the buffer (spill + c) + the merge's copy of split files (spill + c). With the default
         # c = budget / (8 (W + 1)) that is at most budget / 4 + 0.7 budget.
         self.spill_bytes = max(chunk_bytes, col.memory_budget * 35 // 100)
         try:
-            self.writer = DatasetWriter(col.path, overwrite=col.overwrite, max_shard_bytes=col.max_shard_bytes)
+            self.writer = DatasetWriter(
+                col.path, overwrite=col.overwrite, max_shard_bytes=col.max_shard_bytes, duplicates=self.policy
+            )
         except BaseException as e:
-            self._answer_all(Kind.ERROR, error_header(e))
+            self.answers.answer_all(Kind.ERROR, error_header(e))
             raise
-        self._answer_all(Kind.DONE, {"frames": 0}, final=False)  # 1. ready
+        self.answers.send_all(Kind.DONE, {"frames": 0})  # 1. ready
+        self.answers.start()
         enabled = col.progress if col.progress is not None else sys.stderr.isatty()
         self.bar = tqdm(desc="tdgather", unit=" frames", disable=not enabled, dynamic_ncols=True, file=sys.stderr)
         self.receivers = [
@@ -246,9 +246,9 @@ class Destination(_Side):
             t.start()
 
     @property
-    def duplicates_dropped(self) -> int:
-        """Identical duplicates dropped: in the merges, and against shards already written."""
-        return self.duplicates + self.writer.duplicates_dropped
+    def all_duplicates(self) -> DuplicateCounts:
+        """Copies dropped: in the merges, and against shards already written."""
+        return self.duplicates + self.writer.duplicates
 
     def _chunk(self, store: FrameStore) -> Any:
         return ("local", self.rank, store)
@@ -259,7 +259,7 @@ class Destination(_Side):
             while True:
                 msg = ch.recv()
                 if msg.kind == Kind.ERROR:
-                    raise PeerError(peer, msg.header["type"], msg.header["message"])
+                    raise peer_error(peer, msg.header)
                 if msg.kind == Kind.DONE:
                     if msg.header["frames"] != frames:
                         raise ProtocolError(peer, "done.frames", f"expected {frames}, got {msg.header['frames']}")
@@ -270,7 +270,7 @@ class Destination(_Side):
         except BaseException as e:
             end = e
             if isinstance(e, PeerLostError):
-                self.lost.add(peer)
+                self.answers.lost.add(peer)
         self.queue.put(("end", peer, end))  # the writer consumes until every source has ended
 
     def _write_loop(self) -> None:
@@ -291,27 +291,42 @@ class Destination(_Side):
                 size = sum(p.nbytes for p in parts)
                 self.received[src] += frames
                 self.received_bytes[src] += size
-                size += _MERGE_BYTES_PER_FRAME * frames
                 self._progress(frames)
-                buffered += parts
-                nbytes += size
-                if nbytes >= self.spill_bytes:
-                    self._spill(buffered)
-                    buffered, nbytes = [], 0
             except BaseException as e:
                 self.write_failed = True
                 self._fail(e)
-        if not self.write_failed and buffered:
-            try:
+                continue
+            buffered += parts
+            nbytes += size + _MERGE_BYTES_PER_FRAME * frames
+            if nbytes >= self.spill_bytes:
                 self._spill(buffered)
-            except BaseException as e:
-                self.write_failed = True
-                self._fail(e)
+                buffered, nbytes = [], 0
+        if buffered:
+            self._spill(buffered)
 
     def _spill(self, parts: list) -> None:
-        merged, dropped = merge(parts)
-        self.duplicates += dropped
-        self.writer.write(merged)
+        """Merge the buffer (lowest rank first, so its copy of a duplicate is kept) and write it.
+
+        A conflict (a duplicate the policy refuses, a shape mismatch) fails the run, but the writer
+        is sound: it goes on writing what arrives, keeping one copy of a conflicting frame, so that
+        what was received is saved. A failed write stops writing.
+        """
+        if self.write_failed:
+            return
+        parts = sorted(parts, key=lambda p: p.rank)
+        try:
+            try:
+                merged = merge(parts, self.policy)
+                self.writer.write(merged.files, merged.ranks)
+            except FrameConflictError as e:
+                self._fail(e)
+                self.policy = self.writer.policy = DuplicatePolicy("keep")
+                merged = merge(parts, self.policy)
+                self.writer.write(merged.files, merged.ranks)
+            self.duplicates += merged.duplicates
+        except BaseException as e:
+            self.write_failed = True
+            self._fail(e)
 
     def _progress(self, frames: int) -> None:
         if self.bar.disable:
@@ -324,19 +339,7 @@ class Destination(_Side):
 
     def _fail(self, e: BaseException) -> None:
         if self.fail(e):
-            self._answer_all(Kind.ERROR, error_header(e))  # every sender learns at once
-
-    def _answer_all(self, kind: Kind, header: dict, final: bool = True) -> None:
-        for peer, ch in self.channels.items():
-            with self.lock:
-                if peer in self.lost or (final and peer in self.answered):
-                    continue
-                if final:
-                    self.answered.add(peer)
-            try:
-                ch.wait(ch.send(kind, header), "answering the peer")
-            except Exception:  # unreachable: never let this stop the writer, which must drain
-                self.lost.add(peer)
+            self.answers.answer_all(Kind.ERROR, error_header(e))  # every sender learns at once
 
     def close(self) -> dict[str, Any]:
         """Flush its own frames, wait for every peer, commit the index, answer ``done``; return the figures."""
@@ -350,18 +353,21 @@ class Destination(_Side):
             t.join()
         self.bar.close()
         self.check()
-        self.writer.commit({"duplicates_dropped": self.duplicates_dropped})
-        self._answer_all(Kind.DONE, {"frames": self.writer.frames})
+        dups = self.all_duplicates
+        self.writer.commit({"duplicates_dropped": dups.dropped, "duplicates": dups.to_json()})
+        self.answers.answer_all(Kind.DONE, {"frames": self.writer.frames})
+        self.answers.stop()
         end = time.perf_counter()
         return {
             "path": str(self.col.path),
             "frames": self.writer.frames,
             "bytes": self.writer.nbytes,
-            "duplicates_dropped": self.duplicates_dropped,
+            "duplicates_dropped": dups.dropped,
             "frames_per_rank": dict(self.received),
             "shards": len(self.writer.shards),
             "seconds": end - self.start,
             "close_seconds": end - closing,
+            "duplicates": dups,
         }
 
     def _end_local(self) -> None:
@@ -373,22 +379,21 @@ class Destination(_Side):
         """Answer ``error`` to every peer, write what arrives until their streams end, keep the shards.
 
         Nothing received is lost: rank dst's own frames, every chunk received before the failure
-        and those its peers still send are committed to ``<path>.partial``, listed in
-        ``tdgather.incomplete.json`` (unless the failure is the writing itself). No index is written.
+        and those its peers still send are committed to ``<path>.partial`` and listed in
+        ``tdgather.incomplete.json`` (also after a failed write, when it can still be written).
+        No index is written.
         """
         self._fail(exc)
         if len(self.store) and not self.local_ended:
             self.queue.put(self._chunk(self.store))  # the writer drains the queue, so this returns
-            self.store = FrameStore()
+            self.store = FrameStore(self.copy)
         self._end_local()
         self.writer_thread.join()
         for t in self.receivers:
             t.join()
+        self.answers.stop()
         self.bar.close()
-        if self.write_failed:
-            return  # the committed shards stay; nothing more can be written
-        try:
-            meta = {"frames_per_rank": self.received, "duplicates_dropped": self.duplicates_dropped}
+        dups = self.all_duplicates
+        meta = {"frames_per_rank": self.received, "duplicates_dropped": dups.dropped, "duplicates": dups.to_json()}
+        with contextlib.suppress(OSError):  # the original error matters more than the list of what was saved
             self.writer.abort(self.failure, meta)
-        except OSError:
-            pass  # the original error matters more than the list of what was saved

@@ -5,23 +5,52 @@ given group is not plain gloo (NCCL, or ``cpu:gloo,cuda:nccl``), a side gloo
 group with the same ranks is made once and reused. Receives always name their
 source (never any-source), so a dead peer surfaces as an error on its own
 stream. Tags are not used: each stream's order is the protocol.
+
+Every call (`tdgather.gather`, `tdgather.Collector`) starts with `begin_call`: no other
+tdgather call may be open on the group in this process (their streams would mix), and the
+call gets the group's next call number. Every prelude carries that number, the call's dst and
+a digest of its kind and path, and every receive checks them: a message of another call, from
+a rank that skipped one or passed another dst or path, raises `CallMismatchError` naming it.
+
+Rank dst's `Answers` sends every waiting sender a heartbeat (an empty data message) every
+``min(timeout / 4, 30 s)`` until it answers, so a sender that finished early waits for as
+long as rank dst is alive: the timeout bounds silence, not work.
 """
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .errors import PeerLostError, ProtocolError
+from .errors import CallMismatchError, PeerError, PeerLostError, ProtocolError
 from .wire import PRELUDE_LEN, Kind, Limits, Prelude, decode_header, decode_json, encode_json
 
-__all__ = ["DEFAULT_TIMEOUT", "Channel", "Message", "as_timeout", "needs_side_group", "transport_group"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Answers",
+    "Call",
+    "Channel",
+    "Message",
+    "as_timeout",
+    "begin_call",
+    "heartbeat_interval",
+    "needs_side_group",
+    "peer_error",
+    "transport_group",
+]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 _SIDE_GROUPS: dict[tuple[int, ...], Any] = {}
+_CALLS: dict[int, int] = {}  # per transport group (by id): tdgather calls begun on it
+_OPEN: dict[int, int] = {}  # per transport group: the number of the call open on it now
+_LOCK = threading.Lock()
 
 
 def as_timeout(timeout: float | timedelta | None) -> timedelta:
@@ -58,6 +87,54 @@ def transport_group(group: Any = None) -> Any:
     return _SIDE_GROUPS[ranks]
 
 
+def heartbeat_interval(timeout: timedelta) -> float:
+    """Seconds between heartbeats: a quarter of the timeout, at most 30 s."""
+    return min(timeout.total_seconds() / 4, 30.0)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One tdgather call on a group: what every message of it carries."""
+
+    group: Any
+    number: int
+    dst: int
+    digest: int
+    timeout: timedelta
+
+    def channel(self, peer: int) -> Channel:
+        """The stream with ``peer`` for this call."""
+        return Channel(self.group, peer, self.timeout, call=(self.number, self.dst, self.digest))
+
+    def end(self) -> None:
+        """Release the group for the next call (idempotent)."""
+        with _LOCK:
+            if _OPEN.get(id(self.group)) == self.number:
+                del _OPEN[id(self.group)]
+
+
+def begin_call(group: Any, kind: str, dst: int, timeout: timedelta, path: str | None = None) -> Call:
+    """Start a tdgather call on ``group`` (a transport group), locally; every rank of it must call this.
+
+    Raises:
+        CallMismatchError: another tdgather call is open on this group in this process.
+    """
+    key = id(group)
+    with _LOCK:
+        if key in _OPEN:
+            raise CallMismatchError(
+                f"a {kind} was started while another tdgather call (a Collector still open, or a gather() "
+                "running in another thread) uses the same process group: their messages would mix. Close the "
+                "first one before, or give this one its own group: group=dist.new_group(backend='gloo') "
+                "(called on every rank)"
+            )
+        number = _CALLS.get(key, 0) + 1
+        _CALLS[key] = number
+        _OPEN[key] = number
+    name = f"{kind}\0{path or ''}".encode("utf-8", "surrogatepass")
+    return Call(group, number, dst, int.from_bytes(hashlib.sha256(name).digest()[:7], "big"), timeout)
+
+
 class Message:
     """A received message: its prelude, validated header and payload."""
 
@@ -80,28 +157,38 @@ class Channel:
     the prelude before the header is allocated and the header before the payload.
     """
 
-    def __init__(self, group: Any, peer: int, timeout: timedelta, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        group: Any,
+        peer: int,
+        timeout: timedelta,
+        limits: Limits | None = None,
+        call: tuple[int, int, int] = (0, 0, 0),
+    ) -> None:
         self.group, self.peer, self.timeout = group, peer, timeout
         self.limits = limits or Limits()
         self.rank = dist.get_rank(group)
+        self.call = call  # (call number, dst, digest of kind and path): in every prelude, checked on receipt
         self._seq_out = 0
         self._seq_in = 0
+        self._send_lock = threading.Lock()  # sends come from several threads; each message is posted whole
 
     def send(self, kind: Kind, header: dict, payload: torch.Tensor | None = None) -> list:
         """Post one message to the peer; return its pending works (keep them until waited)."""
         raw = encode_json(header)
         size = 0 if payload is None else payload.numel()
-        tensors = [
-            Prelude(kind, self._seq_out, len(raw), size, self.rank).encode(),
-            torch.frombuffer(bytearray(raw), dtype=torch.uint8),
-        ]
-        if size:
-            tensors.append(payload)
-        self._seq_out += 1
-        try:
-            return [(t, dist.isend(t, group=self.group, group_dst=self.peer)) for t in tensors]
-        except RuntimeError as e:  # gloo refuses to post on a pair it has closed
-            raise self._lost(e, "posting a send", self.timeout) from e
+        with self._send_lock:
+            tensors = [
+                Prelude(kind, self._seq_out, len(raw), size, self.rank, *self.call).encode(),
+                torch.frombuffer(bytearray(raw), dtype=torch.uint8),
+            ]
+            if size:
+                tensors.append(payload)
+            self._seq_out += 1
+            try:
+                return [(t, dist.isend(t, group=self.group, group_dst=self.peer)) for t in tensors]
+            except RuntimeError as e:  # gloo refuses to post on a pair it has closed
+                raise self._lost(e, "posting a send", self.timeout) from e
 
     def wait(self, works: list, what: str = "a send") -> None:
         """Wait for posted sends, each for at most the timeout."""
@@ -117,21 +204,40 @@ class Channel:
         """
         seq = self._seq_in
         raw_prelude = torch.empty(PRELUDE_LEN, dtype=torch.int64)
-        work = dist.irecv(raw_prelude, group=self.group, group_src=self.peer)
-        self._wait(work, f"the prelude of message {seq}", first_wait)
-        prelude = Prelude.decode(raw_prelude, self.peer, seq, self.limits)
+        self._recv_into(raw_prelude, f"the prelude of message {seq}", first_wait)
+        prelude = Prelude.decode(raw_prelude, self.peer, seq, self.limits, self.call)
         if prelude.header_len == 0:
             raise ProtocolError(self.peer, "prelude.header_len", "expected a header, got length 0")
         raw_header = torch.empty(prelude.header_len, dtype=torch.uint8)
-        self._wait(dist.irecv(raw_header, group=self.group, group_src=self.peer), f"the header of message {seq}")
+        self._recv_into(raw_header, f"the header of message {seq}")
         parsed = decode_json(raw_header.numpy().tobytes(), self.peer, self.limits)
         header = decode_header(parsed, prelude.kind, self.peer, prelude.payload_len)
         payload = None
         if prelude.payload_len:
             payload = torch.empty(prelude.payload_len, dtype=torch.uint8)
-            self._wait(dist.irecv(payload, group=self.group, group_src=self.peer), f"the payload of message {seq}")
+            self._recv_into(payload, f"the payload of message {seq}")
         self._seq_in += 1
         return Message(prelude, header, payload)
+
+    def _recv_into(self, tensor: torch.Tensor, what: str, timeout: timedelta | None = None) -> None:
+        try:
+            work = dist.irecv(tensor, group=self.group, group_src=self.peer)
+        except RuntimeError as e:  # gloo refuses to post on a pair it has closed
+            raise self._lost(e, what, timeout or self.timeout) from e
+        self._wait(work, what, timeout)
+
+    def recv_answer(self) -> Message:
+        """Receive rank dst's answer (``done`` or ``error``), past its heartbeats.
+
+        Each wait is bounded by the timeout, and every heartbeat starts a new one: a sender
+        waits as long as rank dst is alive, and fails within the timeout once it falls silent.
+        """
+        while True:
+            msg = self.recv()
+            if msg.kind != Kind.DATA:
+                return msg
+            if msg.header.parts:
+                raise ProtocolError(self.peer, "header.parts", "expected an answer or a heartbeat, got frames")
 
     def _wait(self, work: Any, what: str, timeout: timedelta | None = None) -> None:
         timeout = timeout or self.timeout
@@ -144,11 +250,91 @@ class Channel:
         if "timed out" in str(e).lower():
             cause = (
                 f"no progress for {timeout.total_seconds():g} s on {what}; a timed-out gloo pair cannot be reused, "
-                "so the rank is treated as lost. If it is only slow, pass a larger timeout="
+                "so the rank is treated as lost. If it is only slow, pass a larger timeout=; if it never sent "
+                "anything, it may have skipped this call or called it with another dst (every rank must make "
+                "the same tdgather calls, with the same dst)"
             )
         else:
             cause = (
-                f"its connection failed during {what} ({e}); the process probably died, or it timed out "
+                f"its connection failed during {what} ({e}); the process probably died (or it ended without "
+                "making this call: every rank of the group must make it, even with no frames), or it timed out "
                 "waiting for another rank (gloo then closes all its connections): check its log"
             )
         return PeerLostError(self.peer, "PeerLost", cause)
+
+
+class Answers:
+    """Rank dst's side of its answers to every sender: heartbeats until the answer, then the answer.
+
+    1. ``start()``: a thread sends each peer a heartbeat every ``interval`` seconds;
+    2. ``answer_all(kind, header)``: the final answer to every peer not yet answered nor lost
+       (after it, no heartbeat goes to that peer);
+    3. ``stop()``: ends the thread.
+
+    Sends to one peer are posted under one lock, so a heartbeat never follows the answer.
+    """
+
+    def __init__(self, channels: dict[int, Channel], interval: float) -> None:
+        self.channels = channels
+        self.interval = interval
+        self.answered: set[int] = set()
+        self.lost: set[int] = set()
+        self.lock = threading.Lock()
+        self._pending: dict[int, list] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="tdgather-heartbeat", daemon=True)
+
+    def start(self) -> Answers:
+        """Start the heartbeats."""
+        self._thread.start()
+        return self
+
+    def send_all(self, kind: Kind, header: dict) -> None:
+        """A message to every peer still waiting, without ending its wait (``ready``)."""
+        for peer, ch in self.channels.items():
+            if peer not in self.lost:
+                self._wait(peer, ch, ch.send(kind, header))
+
+    def answer_all(self, kind: Kind, header: dict | Callable[[int], dict]) -> None:
+        """The final answer (one header, or one per peer) to every peer not yet answered nor lost; never raises."""
+        for peer, ch in self.channels.items():
+            with self.lock:
+                if peer in self.lost or peer in self.answered:
+                    continue
+                self.answered.add(peer)
+                try:
+                    works = ch.send(kind, header(peer) if callable(header) else header)
+                except PeerLostError:
+                    self.lost.add(peer)
+                    continue
+            self._wait(peer, ch, works)
+
+    def _wait(self, peer: int, ch: Channel, works: list) -> None:
+        try:
+            ch.wait(works, "answering the peer")
+        except PeerLostError:
+            self.lost.add(peer)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            for peer, ch in self.channels.items():
+                with self.lock:
+                    if peer in self.answered or peer in self.lost:
+                        continue
+                    if any(not w.is_completed() for _, w in self._pending.get(peer, [])):
+                        continue  # the last one is not through yet: the peer is busy or gone
+                    try:
+                        self._pending[peer] = ch.send(Kind.DATA, {"parts": []})
+                    except PeerLostError:
+                        self.lost.add(peer)
+
+    def stop(self) -> None:
+        """Stop the heartbeats."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def peer_error(peer: int, header: dict) -> PeerError:
+    """The exception for an ``error`` message from ``peer``."""
+    return PeerError(peer, header["type"], header["message"])

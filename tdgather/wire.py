@@ -2,14 +2,19 @@
 
 A message is three tensors, in order on one peer's stream:
 
-1. a prelude, ``int64[8]``: magic, version, kind, sequence number, header
-   length, payload length, source rank, reserved;
+1. a prelude, ``int64[10]``: magic, version, kind, sequence number, header
+   length, payload length, source rank, call number, destination rank, call digest;
 2. a UTF-8 JSON header (absent when its length is 0);
 3. at most one ``uint8`` payload (absent when its length is 0).
 
 Every size is known before anything is allocated, and `decode_prelude` and
 `decode_header` check every field first. The payload is rebuilt as views of the
 one received buffer. No pickle: non-tensor values travel as JSON.
+
+The call number (the count of tdgather calls on the group, `tdgather.transport.begin_call`),
+the destination rank and the call digest (of the call's kind and path) tie every message to
+one call, so a message of another call is refused, never merged. A data message with no
+parts is a heartbeat.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 import torch
 
 from ._dtypes import dtype_from_name, dtype_name
-from .errors import ProtocolError
+from .errors import CallMismatchError, ProtocolError
 from .frames import Layout, Part, gather_rows, scatter_rows
 from .store import FrameStore
 
@@ -49,8 +54,8 @@ __all__ = [
 ]
 
 MAGIC = int.from_bytes(b"tdgather", "big")
-VERSION = 1
-PRELUDE_LEN = 8
+VERSION = 2
+PRELUDE_LEN = 10
 ALIGN = 64  # every leaf starts at a multiple of this, so views of any dtype are aligned
 _SMALL_CHUNK = 1 << 20  # below this average batch size, packing gathers rows in one kernel
 
@@ -88,16 +93,19 @@ class Prelude:
     header_len: int
     payload_len: int
     src: int
+    call: int = 0
+    dst: int = 0
+    digest: int = 0
 
     def encode(self) -> torch.Tensor:
-        """Return the prelude as the ``int64[8]`` tensor that goes on the wire."""
-        fields = [MAGIC, VERSION, int(self.kind), self.seq, self.header_len, self.payload_len, self.src, 0]
-        return torch.tensor(fields, dtype=torch.int64)
+        """Return the prelude as the ``int64[10]`` tensor that goes on the wire."""
+        fields = [MAGIC, VERSION, int(self.kind), self.seq, self.header_len, self.payload_len, self.src]
+        return torch.tensor([*fields, self.call, self.dst, self.digest], dtype=torch.int64)
 
     @staticmethod
-    def decode(t: torch.Tensor, src: int, seq: int, limits: Limits) -> Prelude:
-        """Validate a received prelude from group rank ``src``, expected number ``seq``."""
-        magic, version, kind, got_seq, header_len, payload_len, got_src, _ = t.tolist()
+    def decode(t: torch.Tensor, src: int, seq: int, limits: Limits, call: tuple[int, int, int] = (0, 0, 0)) -> Prelude:
+        """Validate a received prelude from group rank ``src``: message ``seq`` of ``call`` (number, dst, digest)."""
+        magic, version, kind, got_seq, header_len, payload_len, got_src, *got_call = t.tolist()
 
         def check(ok: bool, field: str, expected: str, got: Any) -> None:
             if not ok:
@@ -108,12 +116,22 @@ class Prelude:
         check(kind in Kind._value2member_map_, "kind", "1 (data), 2 (done) or 3 (error)", kind)
         check(got_seq == seq, "seq", f"message number {seq}", got_seq)
         check(got_src == src, "src", f"rank {src}", got_src)
+        if tuple(got_call) != tuple(call):
+            fields = ("call number", "dst", "kind or path")
+            differ = [w for w, a, b in zip(fields, got_call, call, strict=True) if a != b]
+            raise CallMismatchError(
+                f"rank {src} is in another tdgather call than this rank (its {', '.join(differ)}: "
+                f"{[got_call[i] for i in range(2)]} against this rank's {[call[i] for i in range(2)]} for call "
+                "number and dst): a rank skipped a gather()/Collector or made an extra one, or called it with "
+                "another dst, path or kind; every rank of the group must make the same tdgather calls in the same "
+                "order, even a rank with no frames"
+            )
         check(0 <= header_len <= limits.max_header_bytes, "header_len", f"0..{limits.max_header_bytes}", header_len)
         check(
             0 <= payload_len <= limits.max_payload_bytes, "payload_len", f"0..{limits.max_payload_bytes}", payload_len
         )
         check(kind == Kind.DATA or payload_len == 0, "payload_len", "0 for a done or error message", payload_len)
-        return Prelude(Kind(kind), got_seq, header_len, payload_len, got_src)
+        return Prelude(Kind(kind), got_seq, header_len, payload_len, got_src, *got_call)
 
 
 @dataclass(frozen=True)
@@ -289,6 +307,8 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int) -> DataHeade
         if nbytes and offset < end:
             raise c.fail(field, "byte ranges that do not overlap", f"a range starting at {offset} before {end}")
         end = max(end, offset + nbytes)
+    if payload_len > _aligned(end):  # nothing unannounced is allocated (a heartbeat announces 0 bytes)
+        raise c.fail("prelude.payload_len", f"at most {_aligned(end)} (the end of the last leaf)", payload_len)
     return DataHeader(tuple(parts))
 
 

@@ -206,11 +206,11 @@ def case_compare(scenario: str) -> dict | None:
     }
 
 
-def case_error(scenario: str) -> dict:
+def case_error(scenario: str, duplicates: str = "keep") -> dict:
     """Gather a scenario that must fail; return each rank's error type and message."""
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        tdgather.gather(predictions(scenario, rank, world), timeout=60)
+        tdgather.gather(predictions(scenario, rank, world), timeout=60, duplicates=duplicates)
     except tdgather.TdgatherError as e:
         return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
     return {"type": None, "message": "", "rank": None}
@@ -345,9 +345,9 @@ def case_backpressure(out: str) -> dict:
     if rank == 0:
         slow = sink.DatasetWriter.write
 
-        def write(self, frames):
+        def write(self, frames, ranks=None):
             _time.sleep(0.3)
-            return slow(self, frames)
+            return slow(self, frames, ranks)
 
         sink.DatasetWriter.write = write
     waited = 0.0

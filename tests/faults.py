@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import tdgather
 from tdgather.transport import Channel
-from tdgather.wire import MAGIC, VERSION, Kind, encode_json, pack
+from tdgather.wire import MAGIC, PRELUDE_LEN, VERSION, Kind, encode_json, pack
 
 from .cases import value
 
@@ -71,7 +71,7 @@ def _kill_between_header_and_payload(on_message: int, tmp: str) -> None:
     state = {"data": 0, "armed": 0}
 
     def isend(t, group=None, group_dst=None):
-        if t.dtype == torch.int64 and t.numel() == 8 and int(t[0]) == MAGIC:
+        if t.dtype == torch.int64 and t.numel() == PRELUDE_LEN and int(t[0]) == MAGIC:
             if int(t[2]) == Kind.DATA and int(t[5]) > 0:
                 state["data"] += 1
                 state["armed"] = state["data"] == on_message
@@ -209,7 +209,7 @@ def _leaf(header: dict) -> dict:
 def corrupted(name: str, rank: int, evidence: str) -> tuple[list[int], bytes, torch.Tensor | None]:
     """A hand-made message: (prelude fields, header bytes, payload)."""
     header, payload = _valid_data()
-    prelude = [MAGIC, VERSION, int(Kind.DATA), 0, 0, payload.numel(), rank, 0]
+    prelude = [MAGIC, VERSION, int(Kind.DATA), 0, 0, payload.numel(), rank, 0, 0, 0]  # call (0, 0, 0)
     raw = None
     if name == "magic":
         prelude[0] = 0x12345678

@@ -33,8 +33,9 @@ def test_every_dtype_and_shape_roundtrips_bit_exactly(dtype, shape):
     store = tdgather.FrameStore()
     store.update(frames)
     parts, _, payload = roundtrip(store)
-    merged, dropped = merge(parts)
-    assert dropped == 0
+    result = merge(parts)
+    merged = result.files
+    assert result.duplicates.dropped == 0
     for name, pairs in frames.items():
         pairs = [pairs] if isinstance(pairs, tuple) else pairs
         got = merged[name]
@@ -53,7 +54,7 @@ def test_non_contiguous_and_batched_input():
     src = x[:, ::2]
     assert not src.is_contiguous()
     store.add(["a", "b", "a", "b"], torch.tensor([3, 1, 0, 0]), src)
-    merged, _ = merge(roundtrip(store)[0])
+    merged = merge(roundtrip(store)[0]).files
     assert merged["a"].frame_idx.tolist() == [0, 3]
     assert torch.equal(merged["a"].frames, src[[2, 0]])
     assert torch.equal(merged["b"].frames, src[[3, 1]])
@@ -80,7 +81,7 @@ def test_store_forms_and_counts():
     store.update({"one.jpg": (7, torch.ones(2)), "many.mp4": [(1, torch.ones(2)), (0, torch.zeros(2))]})
     store.add("many.mp4", [2, 3], torch.full((2, 2), 5.0))
     assert len(store) == 5 and store.nbytes == 5 * 8
-    merged, _ = merge(roundtrip(store)[0])
+    merged = merge(roundtrip(store)[0]).files
     assert merged["many.mp4"].frame_idx.tolist() == [0, 1, 2, 3]
     assert merged["one.jpg"].frames.tolist() == [[1.0, 1.0]]
 
@@ -118,6 +119,116 @@ def test_store_rejects_bad_input_with_clear_messages():
     with pytest.raises(ShapeMismatchError, match=r"filename 's'.*float32\[3\] and float32\[4\]"):
         store.update({"s": (1, torch.zeros(4))})
     assert len(store) == 1  # nothing half-added
+
+
+class Views:
+    """Every view of a tensor a user may hand over, with what its frames must read back as."""
+
+    @staticmethod
+    def cases():
+        base = torch.randn(4, 3, 2, 5)
+        c = torch.randn(4, 3, dtype=torch.complex64)
+        return {
+            "non_contiguous": base[:, :, 0, ::2],
+            "channels_last": base.contiguous(memory_format=torch.channels_last),
+            "expanded": torch.arange(3.0).expand(4, 3),
+            "conj": c.conj(),
+            "neg": torch.conj(c).imag,  # a negative view
+            "transposed": torch.randn(3, 4, 2).transpose(0, 1),
+            "slice_of_large": torch.randn(4, 1000)[:, :2],
+        }
+
+
+@pytest.mark.parametrize("form", ["add", "update_pair", "update_list"])
+@pytest.mark.parametrize("case", list(Views.cases()), ids=list(Views.cases()))
+def test_every_view_is_sent_as_the_values_it_shows(form, case):
+    t = Views.cases()[case]
+    want = t.resolve_conj().resolve_neg().clone()
+    store = tdgather.FrameStore()
+    if form == "add":
+        store.add(["v"] * 4, torch.arange(4), t)
+    elif form == "update_pair":
+        store.update({f"v{i}": (0, t[i]) for i in range(4)})
+    else:
+        store.update({"v": [(i, t[i]) for i in range(4)]})
+    merged = merge(roundtrip(store)[0]).files
+    got = merged["v"].frames if "v" in merged else torch.stack([merged[f"v{i}"].frames[0] for i in range(4)])
+    assert torch.equal(got, want)
+
+
+def test_frame_idx_accepts_every_integer_form_and_refuses_the_rest():
+    import numpy as np
+
+    store = tdgather.FrameStore()
+    store.add(["a"] * 3, np.array([0, 1, 2], dtype=np.int32), torch.zeros(3, 1))
+    store.add(("a", "a"), [np.int64(3), torch.tensor(4)], torch.zeros(2, 1))
+    store.add(["a"], [torch.tensor([5])], torch.zeros(1, 1))
+    store.update(
+        {"a": [(np.int16(6), torch.zeros(1)), (torch.tensor(7), torch.zeros(1))], "b": (np.uint8(0), torch.ones(1))}
+    )
+    merged = merge(roundtrip(store)[0]).files
+    assert merged["a"].frame_idx.tolist() == list(range(8)) and merged["b"].frame_idx.tolist() == [0]
+    for bad, shown in [
+        (29.97, "float 29.97"),
+        (3.0, "float 3.0"),
+        (True, "bool True"),
+        ("3", "str '3'"),
+        (np.float64(1.0), "float64"),
+        (torch.tensor(1.5), "Tensor"),
+        (None, "NoneType"),
+    ]:
+        with pytest.raises(UnsupportedValueError, match=r"filename 'x'\): expected integers .*refused, not truncated"):
+            store.update({"x": (bad, torch.zeros(1))})
+        assert shown in str(pytest.raises(UnsupportedValueError, store.update, {"x": [(bad, torch.zeros(1))]}).value)
+        with pytest.raises(UnsupportedValueError, match=r"add\(\) frame_idx \(position 0\): expected integers"):
+            store.add(["x"], [bad], torch.zeros(1, 1))
+    with pytest.raises(UnsupportedValueError, match=r"got a tensor of dtype torch.float32"):
+        store.add(["x"], torch.tensor([1.0]), torch.zeros(1, 1))
+    with pytest.raises(UnsupportedValueError, match=r"got a tensor of dtype torch.bool"):
+        store.add(["x"], np.array([True]), torch.zeros(1, 1))
+    assert len(store) == 9  # nothing half-added
+
+
+def test_empty_batches_of_any_shape_are_accepted():
+    store = tdgather.FrameStore()
+    store.add([], [], torch.zeros(0, 3, 7))
+    store.add([], torch.zeros(0, dtype=torch.long), {"d": torch.zeros(0, 2), "s": []})
+    store.update({"e": []})
+    assert len(store) == 0 and store.num_chunks == 0
+
+
+def test_filenames_that_utf8_cannot_encode_are_refused_where_given():
+    import os
+
+    name = os.fsdecode(b"clip_\xff.mp4")
+    store = tdgather.FrameStore()
+    with pytest.raises(UnsupportedValueError, match=r"cannot be encoded as UTF-8 .*os.fsdecode"):
+        store.add([name], [0], torch.zeros(1, 1))
+    with pytest.raises(UnsupportedValueError, match=r"expected str filenames, got int"):
+        store.update({3: (0, torch.zeros(1))})
+    assert len(store) == 0
+
+
+def test_add_copies_by_default_so_reused_buffers_are_safe():
+    out = torch.zeros(2, 3)
+    safe, shared = tdgather.FrameStore(), tdgather.FrameStore(copy=False)
+    for b in range(2):
+        out.fill_(b)  # the loop reuses its output buffer
+        safe.add([f"v{b}"] * 2, [0, 1], out)
+        shared.add([f"v{b}"] * 2, [0, 1], out)
+    assert merge(roundtrip(safe)[0]).files["v0"].frames.eq(0).all()
+    assert merge(roundtrip(shared)[0]).files["v0"].frames.eq(1).all()  # the documented rule, broken on purpose
+
+
+def test_a_view_of_a_large_storage_is_compacted_even_without_copy():
+    big = torch.randn(8, 100_000)
+    store = tdgather.FrameStore(copy=False)
+    store.add(["a"] * 8, torch.arange(8), big[:, :2])
+    held = store._chunks[next(iter(store._chunks))][0].tensors[0]
+    assert held.untyped_storage().nbytes() == 8 * 2 * 4  # not the 3.2 MB it was cut from
+    small = torch.randn(8, 2)
+    store.add(["b"] * 8, torch.arange(8), small)
+    assert store._chunks[next(iter(store._chunks))][1].tensors[0].data_ptr() == small.data_ptr()
 
 
 def test_prelude_validation():
@@ -195,6 +306,10 @@ def test_header_schema_checks_ranges_overlaps_and_sizes():
     bad["parts"][0]["extra"] = 1
     with pytest.raises(ProtocolError, match=r"header.parts\[0\]: expected an object with keys"):
         decode_header(bad, Kind.DATA, 1, n)
+    with pytest.raises(ProtocolError, match=r"prelude.payload_len: expected at most \d+ \(the end of the last leaf\)"):
+        decode_header(header, Kind.DATA, 1, n + 4096)  # bytes no leaf announces are never allocated
+    with pytest.raises(ProtocolError, match=r"prelude.payload_len: expected at most 0"):
+        decode_header({"parts": []}, Kind.DATA, 1, 1 << 30)  # a heartbeat with a 1 GiB payload
 
 
 @settings(max_examples=300, deadline=None)
@@ -252,7 +367,7 @@ def test_roundtrip_property(names, dtype, shape, counts):
     }
     store = tdgather.FrameStore()
     store.update(frames)
-    merged, _ = merge(roundtrip(store)[0])
+    merged = merge(roundtrip(store)[0]).files
     assert list(merged) == sorted(names)
     for n, pairs in frames.items():
         assert merged[n].frame_idx.tolist() == [i for i, _ in pairs]

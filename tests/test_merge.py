@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import tdgather
+from tdgather.duplicates import DuplicateCounts, DuplicatePolicy
 from tdgather.errors import DuplicateFrameError, ShapeMismatchError
 from tdgather.merge import merge
 from tdgather.wire import Kind, decode_header, encode_json, pack, unpack
@@ -37,8 +38,10 @@ def test_whole_files_are_views_and_split_files_are_copied_once():
         {"a.mp4": frames("a.mp4", [2, 0, 1]), "m.mp4": frames("m.mp4", [0, 2])},
         {"m.mp4": frames("m.mp4", [1, 3]), "z.mp4": frames("z.mp4", [5])},
     )
-    out, dropped = merge(parts)
-    assert dropped == 0 and list(out) == ["a.mp4", "m.mp4", "z.mp4"]
+    merged = merge(parts)
+    out = merged.files
+    assert merged.duplicates.dropped == 0 and list(out) == ["a.mp4", "m.mp4", "z.mp4"]
+    assert merged.ranks == {"a.mp4": {0}, "m.mp4": {0, 1}, "z.mp4": {1}}
     assert out["m.mp4"].frame_idx.tolist() == [0, 1, 2, 3]
     for name, f in out.items():
         want = torch.stack([value(name, int(i), (4,)) for i in f.frame_idx])
@@ -49,27 +52,89 @@ def test_whole_files_are_views_and_split_files_are_copied_once():
     assert out["m.mp4"].frames.untyped_storage().data_ptr() not in ptrs
 
 
-def test_duplicates_within_and_across_ranks():
+def test_identical_duplicates_within_and_across_ranks_are_dropped_and_counted_exact():
     a = frames("a", [0, 1, 2])
     parts, _ = parts_of({"a": a + [a[1]]}, {"a": [a[2], a[0]]})
-    out, dropped = merge(parts)
-    assert dropped == 3 and out["a"].frame_idx.tolist() == [0, 1, 2]
-    assert torch.equal(out["a"].frames, torch.stack([v for _, v in a]))
+    merged = merge(parts)
+    assert merged.duplicates == DuplicateCounts(exact=3, inexact=0, max_abs_diff=0.0)
+    assert merged.files["a"].frame_idx.tolist() == [0, 1, 2]
+    assert torch.equal(merged.files["a"].frames, torch.stack([v for _, v in a]))
+
+
+def test_keep_keeps_the_lowest_ranks_copy_and_measures_the_difference():
+    a = frames("a", [0, 1, 2])
+    nudged = a[1][1] + 1e-3
+    for order in ([0, 1, 2], [2, 1, 0]):  # the rank order of the parts decides, not their position in a list
+        per_rank = [{"a": a}, {"b": a}, {"a": [(1, nudged)]}]
+        parts, _ = parts_of(*per_rank)
+        parts = sorted(parts, key=lambda p: order.index(p.rank))
+        merged = merge(sorted(parts, key=lambda p: p.rank))
+        assert torch.equal(merged.files["a"].frames[1], a[1][1])  # rank 0's copy
+        assert merged.duplicates.exact == 0 and merged.duplicates.inexact == 1
+        assert merged.duplicates.max_abs_diff == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_exact_and_close_policies_refuse_naming_file_frame_ranks_and_difference():
+    a = frames("a", [0, 1, 2])
     parts, _ = parts_of({"a": a}, {"b": a}, {"a": [(1, a[1][1] + 1)]})
-    with pytest.raises(DuplicateFrameError, match=r"filename 'a', frame_idx 1: ranks 0 and 2 sent different values"):
-        merge(parts)
+    with pytest.raises(
+        DuplicateFrameError,
+        match=r"filename 'a', frame_idx 1: ranks 0 and 2 sent values that differ "
+        r"\(largest absolute difference 1\), and the duplicates policy is 'exact'",
+    ):
+        merge(parts, "exact")
+    with pytest.raises(DuplicateFrameError, match=r"policy is close \(rtol=1e-05, atol=0.5\)"):
+        merge(parts, DuplicatePolicy("close", atol=0.5))
+    assert merge(parts, DuplicatePolicy("close", atol=2.0)).duplicates.inexact == 1
     parts, _ = parts_of({"a": a + [(0, a[0][1] * 2)]})
-    with pytest.raises(DuplicateFrameError, match=r"frame_idx 0: rank 0 \(twice\)"):
-        merge(parts)
+    with pytest.raises(DuplicateFrameError, match=r"frame_idx 0: ranks 0 and 0 sent"):
+        merge(parts, "exact")
+
+
+def test_three_copies_are_each_compared_with_the_kept_one():
+    a = frames("a", [0])
+    parts, _ = parts_of({"a": a}, {"a": [(0, a[0][1] + 0.25)]}, {"a": [(0, a[0][1] + 0.5)]})
+    merged = merge(parts, DuplicatePolicy("close", atol=0.6))
+    assert merged.duplicates.inexact == 2 and merged.duplicates.max_abs_diff == pytest.approx(0.5)
+    with pytest.raises(DuplicateFrameError, match="ranks 0 and 2"):
+        merge(parts, DuplicatePolicy("close", atol=0.3))
 
 
 def test_nan_duplicates_compare_by_bits():
     nan = torch.tensor([float("nan"), 1.0])
     parts, _ = parts_of({"n": [(0, nan)]}, {"n": [(0, nan.clone())]})
-    assert merge(parts)[1] == 1
+    assert merge(parts, "exact").duplicates.exact == 1
     parts, _ = parts_of({"n": [(0, torch.tensor([0.0]))]}, {"n": [(0, torch.tensor([-0.0]))]})
     with pytest.raises(DuplicateFrameError):
-        merge(parts)
+        merge(parts, "exact")
+    assert merge(parts).duplicates == DuplicateCounts(0, 1, 0.0)  # -0.0 == 0.0 in value, not in bits
+    parts, _ = parts_of({"n": [(0, torch.tensor([float("nan")]))]}, {"n": [(0, torch.tensor([1.0]))]})
+    assert merge(parts).duplicates.max_abs_diff == float("inf")
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.bool, torch.uint8, torch.int64, torch.uint64, torch.float8_e4m3fn, torch.bfloat16, torch.complex64]
+)
+def test_difference_is_measured_for_every_kind_of_dtype(dtype):
+    x = value("d", 0, (3,), dtype)
+    y = x.clone()
+    if dtype == torch.bool:
+        y[0] = ~y[0]
+    else:
+        y.view(torch.uint8)[0] ^= 1  # the lowest bit of the first element
+    parts, _ = parts_of({"d": [(0, x)]}, {"d": [(0, y)]})
+    d = merge(parts).duplicates
+    assert d.inexact == 1 and d.max_abs_diff > 0
+
+
+def test_json_leaves_compare_by_type_and_value():
+    for a, b in [(True, 1), (1, 1.0), (0.0, -0.0), ("x", "y"), (None, 0)]:
+        parts, _ = parts_of({"j": [(0, {"t": torch.ones(1), "v": a})]}, {"j": [(0, {"t": torch.ones(1), "v": b})]})
+        assert merge(parts).duplicates.inexact == 1, (a, b)
+        with pytest.raises(DuplicateFrameError):
+            merge(parts, "exact")
+    parts, _ = parts_of({"j": [(0, {"t": torch.ones(1), "v": 1.5})]}, {"j": [(0, {"t": torch.ones(1), "v": 1.5})]})
+    assert merge(parts, "exact").duplicates.exact == 1
 
 
 def test_layout_mismatch_across_ranks():
@@ -83,7 +148,7 @@ def test_json_leaves_follow_their_rows():
         {"v": [(j, {"t": value("v", j, (1,)), "label": f"r0-{j}"}) for j in (4, 0)]},
         {"v": [(j, {"t": value("v", j, (1,)), "label": f"r1-{j}"}) for j in (3, 1)]},
     )
-    out, _ = merge(parts)
+    out = merge(parts).files
     assert out["v"].frame_idx.tolist() == [0, 1, 3, 4]
     assert out["v"].frames["label"] == ["r0-0", "r1-1", "r1-3", "r0-4"]
 
@@ -91,7 +156,7 @@ def test_json_leaves_follow_their_rows():
 def test_own_large_chunks_are_merged_without_packing():
     from tdgather.wire import local_parts
 
-    store = tdgather.FrameStore()
+    store = tdgather.FrameStore(copy=False)  # by reference: the merge may return views of the user's tensors
     big = [torch.full((300, 1024), float(k)) for k in range(3)]  # 1.2 MB batches
     store.add(["a"] * 300, list(range(300)), big[0])  # a whole file, in order: a view of the user's tensor
     store.add(["b"] * 150 + ["c"] * 150, list(range(150, 300)) + list(range(150)), big[1])
@@ -99,7 +164,7 @@ def test_own_large_chunks_are_merged_without_packing():
     parts = local_parts(store, 0)
     assert len(parts) == 3  # no pack: the store's own chunks
     assert parts[0].leaves[0].data_ptr() == big[0].data_ptr()
-    out, _ = merge(parts)
+    out = merge(parts).files
     assert out["a"].frames.untyped_storage().data_ptr() == big[0].untyped_storage().data_ptr()
     assert out["b"].frame_idx.tolist() == list(range(300)) and out["c"].frame_idx.tolist() == list(range(300))
     assert torch.equal(out["b"].frames[:150], big[2][:150]) and torch.equal(out["b"].frames[150:], big[1][:150])

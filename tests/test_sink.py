@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 import tdgather
 import tdgather.sink
+from tdgather.duplicates import DuplicateCounts
 from tdgather.errors import OutputError
 from tdgather.sink import INDEX_NAME, _add_runs, _in_runs
 
@@ -82,12 +83,84 @@ def test_empty_dataset(tmp_path):
 def test_existing_output_is_refused_unless_overwrite(tmp_path):
     result, _ = gathered()
     out = tdgather.save(result, tmp_path / "ds")
-    with pytest.raises(OutputError, match="exists and is not empty; pass overwrite=True"):
+    with pytest.raises(OutputError, match="already holds a tdgather dataset; pass overwrite=True"):
         tdgather.save(result, out)
     small = tdgather.gather({"only.mp4": (0, torch.ones(1))})
     tdgather.save(small, out, overwrite=True)
     assert list(tdgather.open(out)) == ["only.mp4"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+
+
+USER_FILES = {"notes.txt": "mine", "model.safetensors": "weights"}
+
+
+def _user_dir(path):
+    path.mkdir(parents=True, exist_ok=True)
+    for name, text in USER_FILES.items():
+        (path / name).write_text(text)
+    return path
+
+
+def _assert_user_files_intact(path):
+    for name, text in USER_FILES.items():
+        assert (path / name).read_text() == text
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_overwrite_never_deletes_a_directory_that_is_not_a_tdgather_dataset(tmp_path, overwrite):
+    result = tdgather.gather({"a": (0, torch.ones(1))})
+    target = _user_dir(tmp_path / "mine")
+    with pytest.raises(
+        OutputError,
+        match=r"is not empty and is not a tdgather dataset \(it holds 'model.safe"
+        r"tensors', 'notes.txt'\); tdgather never replaces or deletes what it did not write",
+    ):
+        tdgather.save(result, target, overwrite=overwrite)
+    _assert_user_files_intact(target)
+    assert not (tmp_path / "mine.partial").exists()
+    # a user's file inside a real dataset makes it "not ours" too: the dataset and the file stay
+    ds = tdgather.save(result, tmp_path / "ds")
+    (ds / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match=r"holds 'notes.txt'"):
+        tdgather.save(result, ds, overwrite=True)
+    assert (ds / "notes.txt").read_text() == "mine" and list(tdgather.open(ds)) == ["a"]
+    # shards without an index are not a dataset either
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "shard-00000.safetensors").write_bytes(b"x")
+    with pytest.raises(OutputError, match="it has shards but no tdgather.index.json"):
+        tdgather.save(result, bare, overwrite=overwrite)
+    assert (bare / "shard-00000.safetensors").read_bytes() == b"x"
+
+
+def test_a_user_directory_named_like_the_staging_directory_is_never_deleted(tmp_path):
+    result = tdgather.gather({"a": (0, torch.ones(1))})
+    _user_dir(tmp_path / "ds.partial")
+    with pytest.raises(OutputError, match=r"ds.partial' is where tdgather stages .* holds 'model.safetensors'"):
+        tdgather.save(result, tmp_path / "ds", overwrite=True)
+    _assert_user_files_intact(tmp_path / "ds.partial")
+    with pytest.raises(OutputError, match="is where tdgather stages"):
+        tdgather.Collector(tmp_path / "ds", overwrite=True).open()
+    _assert_user_files_intact(tmp_path / "ds.partial")
+
+
+def test_a_file_that_appears_during_the_write_is_kept_with_the_old_dataset(tmp_path):
+    result = tdgather.gather({"a": (0, torch.ones(1))})
+    ds = tdgather.save(result, tmp_path / "ds")
+    w = tdgather.sink.DatasetWriter(ds, overwrite=True)
+    w.write(tdgather.gather({"b": (0, torch.ones(1))}))
+    (ds / "notes.txt").write_text("mine")  # a user writes into the old dataset meanwhile
+    with pytest.raises(OutputError, match="gained files tdgather did not write"):
+        w.commit()
+    assert (ds / "notes.txt").read_text() == "mine" and list(tdgather.open(ds)) == ["a"]
+
+
+def test_a_failed_save_leaves_no_partial_directory(tmp_path):
+    bad = tdgather.gather({"a": (0, torch.ones(1))})
+    bad["b"] = "not frames"
+    with pytest.raises(Exception):  # noqa: B017 - any error: the point is what stays on disk
+        tdgather.save(bad, tmp_path / "ds")
+    assert sorted(os.listdir(tmp_path)) == []
 
 
 def test_bad_output_paths_are_refused_before_writing(tmp_path):
@@ -131,7 +204,7 @@ def test_incremental_writes_make_segments_and_drop_rewritten_duplicates(tmp_path
     second = tdgather.gather({"a": [(j, a[j]) for j in (1, 2, 5)], "c": (1, value("c", 1))})
     assert w.write(first) == ["shard-00000.safetensors"]
     assert w.write(second) == ["shard-00001.safetensors"]
-    assert w.duplicates_dropped == 1  # frame 2 of "a" was already on disk, identical
+    assert w.duplicates == DuplicateCounts(exact=1)  # frame 2 of "a" was already on disk, identical
     out = w.commit()
     ds = tdgather.open(out)
     assert [s["shard"] for s in ds.index["files"]["a"]["segments"]] == [
@@ -143,13 +216,39 @@ def test_incremental_writes_make_segments_and_drop_rewritten_duplicates(tmp_path
     assert ds.metadata["total_frames"] == 7
 
 
+def test_rewritten_duplicates_follow_the_policy_against_the_disk(tmp_path):
+    first = tdgather.gather({"a": [(0, torch.zeros(2)), (1, torch.ones(2))]})
+    again = tdgather.gather({"a": [(0, torch.full((2,), 1e-6)), (1, torch.ones(2))]})  # one inexact, one exact
+    w = tdgather.sink.DatasetWriter(tmp_path / "keep")
+    w.write(first)
+    w.write(again)
+    assert w.duplicates == DuplicateCounts(exact=1, inexact=1, max_abs_diff=pytest.approx(1e-6))
+    assert torch.equal(tdgather.open(w.commit())["a"].frames[0], torch.zeros(2))  # the copy on disk stays
+    w = tdgather.sink.DatasetWriter(tmp_path / "close", duplicates=tdgather.DuplicatePolicy("close", atol=1e-5))
+    w.write(first)
+    w.write(again)
+    assert w.duplicates.inexact == 1
+    w = tdgather.sink.DatasetWriter(tmp_path / "tight", duplicates=tdgather.DuplicatePolicy("close", atol=1e-7))
+    w.write(first)
+    with pytest.raises(tdgather.DuplicateFrameError, match=r"close \(rtol=1e-05, atol=1e-07\)"):
+        w.write(again)
+
+
 def test_incremental_conflicts_raise_and_abort_keeps_committed_shards(tmp_path):
-    w = tdgather.sink.DatasetWriter(tmp_path / "ds")
-    w.write(tdgather.gather({"a": (0, torch.zeros(2))}))
-    with pytest.raises(tdgather.DuplicateFrameError, match=r"'a', frame_idx 0: arrived again with a different value"):
-        w.write(tdgather.gather({"a": (0, torch.ones(2))}))
-    with pytest.raises(tdgather.ShapeMismatchError, match=r"'a': frames already written have float32\[2\]"):
-        w.write(tdgather.gather({"a": (1, torch.ones(3))}))
+    w = tdgather.sink.DatasetWriter(tmp_path / "ds", duplicates="exact")
+    w.write(tdgather.gather({"a": (0, torch.zeros(2))}), {"a": {0}})
+    with pytest.raises(
+        tdgather.DuplicateFrameError,
+        match=r"'a', frame_idx 0: rank\(s\) \[2\] and the copy from rank\(s\) \[0\] sent values that differ "
+        r"\(the first copy was written to shard-00000.safetensors before this one arrived\) \(largest absolute "
+        r"difference 1\), and the duplicates policy is 'exact'",
+    ):
+        w.write(tdgather.gather({"a": (0, torch.ones(2))}), {"a": {2}})
+    with pytest.raises(
+        tdgather.ShapeMismatchError,
+        match=r"'a': frames already written \(from ranks \[0\]\) have float32\[2\], new ones \(from ranks \[1\]\)",
+    ):
+        w.write(tdgather.gather({"a": (1, torch.ones(3))}), {"a": {1}})
     partial = w.abort()
     assert partial == tmp_path / "ds.partial" and sorted(os.listdir(partial)) == ["shard-00000.safetensors"]
     assert not (tmp_path / "ds").exists()

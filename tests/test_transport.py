@@ -12,7 +12,7 @@ from tdgather import transport
 from tdgather.errors import PeerError
 from tdgather.gather import _receive_stream, _send
 from tdgather.transport import Channel
-from tdgather.wire import MAGIC, Kind, Prelude, encode_json
+from tdgather.wire import MAGIC, VERSION, Kind, Prelude, encode_json
 
 
 class FakeWire:
@@ -67,8 +67,8 @@ def test_sender_sequence_and_receiver_replay(wire):
     # 1. data prelude, 2. header, 3. payload, 4. done prelude, 5. done header
     assert len(tensors) == 5
     p0, p3 = tensors[0].tolist(), tensors[3].tolist()
-    assert p0[:4] == [MAGIC, 1, Kind.DATA, 0] and p0[4] == tensors[1].numel() and p0[5] == tensors[2].numel()
-    assert p3[:4] == [MAGIC, 1, Kind.DONE, 1] and p3[5] == 0 and p3[6] == 1
+    assert p0[:4] == [MAGIC, VERSION, Kind.DATA, 0] and p0[4] == tensors[1].numel() and p0[5] == tensors[2].numel()
+    assert p3[:4] == [MAGIC, VERSION, Kind.DONE, 1] and p3[5] == 0 and p3[6] == 1
     assert bytes(tensors[4].tolist()) == b'{"frames":3}'
     # replay the stream into rank 0's receiver
     wire.rank = 0

@@ -35,7 +35,7 @@ def test_identical_duplicates_are_kept_once_and_counted(world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_conflicting_duplicates_raise_on_every_rank(world):
-    out = run_local_world(cases.case_error, world, "dup_conflict", timeout=120)
+    out = run_local_world(cases.case_error, world, "dup_conflict", "exact", timeout=120)
     assert out[0]["type"] == "DuplicateFrameError"
     assert "filename 'x.mp4', frame_idx 1" in out[0]["message"]
     assert "ranks 0 and 1" in out[0]["message"]
