@@ -2,23 +2,37 @@
 
 Reading one filename opens its shard(s) with ``safetensors.safe_open`` and
 slices only that filename's rows; segments written at different times are
-merged by ``frame_idx``.
+merged by ``frame_idx``. Nothing on disk is trusted (`tdgather._index_check`):
+the index is checked whole at open, a shard's header the first time it is
+touched, JSON offsets and lines as they are read; anything malformed raises
+`DatasetError`, and no path outside the dataset directory is ever opened.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from .errors import OutputError
+from ._index_check import (
+    Check,
+    check_group,
+    check_index,
+    check_layout,
+    check_segment,
+    check_shard,
+    json_scalar,
+    key,
+    load_json,
+    open_shard,
+    shard_groups,
+)
+from .errors import DatasetError, OutputError
 from .frames import Frames, Layout, rebuild
-from .sink import FORMAT, INCOMPLETE_NAME, INDEX_NAME
+from .sink import INCOMPLETE_NAME, INDEX_NAME
 
 __all__ = ["Dataset", "open_dataset", "read_segment"]
 
@@ -57,11 +71,14 @@ class Dataset(Mapping[str, Frames]):
             elif partial.exists():
                 hint = f"; {str(partial)!r} holds shards of an interrupted run"
             raise OutputError(f"{str(self.path)!r} is not a complete tdgather dataset: no {INDEX_NAME}{hint}")
-        self.index: dict[str, Any] = json.loads(index_path.read_text(encoding="utf-8"))
-        if self.index.get("format") != FORMAT:
-            raise OutputError(f"{str(index_path)!r}: expected format {FORMAT!r}, got {self.index.get('format')!r}")
+        if os.path.dirname(os.path.realpath(index_path)) != os.path.realpath(self.path):
+            raise DatasetError(str(index_path), "file", "expected a file in the dataset directory, got a link out")
+        self._index = Check(index_path)
+        self.index: dict[str, Any] = load_json(index_path.read_bytes(), self._index, "index")
+        self._plan = check_index(self.index, str(index_path), incomplete)  # all of it, before any shard
         self.metadata: dict[str, Any] = self.index["metadata"]
         self._files: dict[str, dict] = self.index["files"]
+        self._checked: set[str] = set()  # shards whose header passed; a failed one is checked again
 
     def __len__(self) -> int:
         return len(self._files)
@@ -74,8 +91,7 @@ class Dataset(Mapping[str, Frames]):
 
     def layout(self, name: str) -> Layout:
         """The layout (structure, dtypes, per-frame shapes) of a filename, without reading data."""
-        segment = self._files[name]["segments"][0]
-        return Layout.from_json(self.index["shards"][segment["shard"]]["groups"][segment["group"]])
+        return self._plan.layouts[name]
 
     def num_frames(self, name: str) -> int:
         """Frames stored for a filename, without reading data."""
@@ -84,7 +100,15 @@ class Dataset(Mapping[str, Frames]):
     def __getitem__(self, name: str) -> Frames:
         entry = self._files[name]
         layout = self.layout(name)
-        pieces = [read_segment(self.path, segment, layout) for segment in entry["segments"]]
+        pieces = []
+        for i, segment in enumerate(entry["segments"]):
+            shard, group, lo = segment["shard"], segment["group"], segment["start"]
+            c = Check(self.path / shard)
+            with open_shard(self.path, shard, self._index, f"files{key(name)}.segments[{i}].shard") as f:
+                if shard not in self._checked:  # the first touch checks the whole header, once
+                    check_shard(f, c, shard, self.index["shards"][shard]["groups"], self._plan, self._index)
+                    self._checked.add(shard)
+                pieces.append(_rows(f, c, group, layout, lo, lo + segment["frames"]))
         idx, tensors, json_values = pieces[0]
         if len(pieces) > 1:  # segments written at different times: merge them by frame_idx
             order = torch.argsort(torch.cat([p[0] for p in pieces]))
@@ -94,28 +118,58 @@ class Dataset(Mapping[str, Frames]):
             json_values = [[v for p in pieces for v in p[2][j]] for j in range(len(layout.nontensor))]
             json_values = [[values[r] for r in rows] for values in json_values]
         count = idx.numel()
-        return Frames(frame_idx=idx, frames=rebuild(layout, count, tensors, json_values), batch_size=[count])
+        try:
+            value = rebuild(layout, count, tensors, json_values)
+        except (KeyError, ValueError, TypeError) as e:  # e.g. a loaded tensorclass whose fields differ
+            raise self._index.fail(f"files{key(name)}", f"leaves that make {layout.describe()}", str(e)) from e
+        return Frames(frame_idx=idx, frames=value, batch_size=[count])
 
 
-def read_segment(root: Path, segment: dict, layout: Layout) -> tuple[torch.Tensor, list, list]:
-    """Read one segment's ``(frame_idx, tensor leaves, JSON leaves)``, touching only its rows."""
-    key, lo = segment["group"], segment["start"]
-    hi = lo + segment["frames"]
-    with safe_open(Path(root) / segment["shard"], framework="pt") as f:
-        idx = f.get_slice(f"{key}.frame_idx")[lo:hi]
-        tensors = [f.get_slice(f"{key}.leaf{j}")[lo:hi] for j in range(len(layout.leaves))]
-        json_values = []
-        for j in range(len(layout.nontensor)):
-            start, end = f.get_slice(f"{key}.json{j}.offsets")[lo : hi + 1][[0, -1]].tolist()
-            blob = f.get_slice(f"{key}.json{j}")[start:end]
-            json_values.append([json.loads(line) for line in blob.numpy().tobytes().splitlines()])
+def read_segment(root: str | os.PathLike, segment: dict, layout: Layout) -> tuple[torch.Tensor, list, list]:
+    """Read one segment's ``(frame_idx, tensor leaves, JSON leaves)``, touching only its rows.
+
+    The segment, the shard's path and header, and the group's tensors are checked against
+    ``layout`` first; a malformed one raises `DatasetError`.
+    """
+    root = Path(root)
+    c = Check(root)
+    shard, group, lo, count = check_segment(segment, c, "segment")
+    s = Check(root / shard)
+    with open_shard(root, shard, c, "segment.shard") as f:
+        desc = shard_groups(f, s).get(group)
+        if desc is None or check_layout(desc, s, f"__metadata__.groups[{group!r}]") != layout:
+            raise s.fail(f"__metadata__.groups[{group!r}]", layout.describe(), desc)
+        n = check_group(f, s, group, layout)
+        if lo + count > n:
+            raise c.fail("segment", f"start + frames <= {n}, the rows of {group} in {shard}", lo + count)
+        return _rows(f, s, group, layout, lo, lo + count)
+
+
+def _rows(f: Any, c: Check, group: str, layout: Layout, lo: int, hi: int) -> tuple[torch.Tensor, list, list]:
+    """Rows ``lo:hi`` of a group whose header is checked; JSON offsets and lines are checked as read."""
+    idx = f.get_slice(f"{group}.frame_idx")[lo:hi]
+    tensors = [f.get_slice(f"{group}.leaf{j}")[lo:hi] for j in range(len(layout.leaves))]
+    json_values = []
+    for j in range(len(layout.nontensor)):
+        name = f"{group}.json{j}"
+        offsets = f.get_slice(f"{name}.offsets")[lo : hi + 1]
+        blob = f.get_slice(name)
+        size = blob.get_shape()[0]
+        if bool((offsets.diff() < 0).any()) or int(offsets.min()) < 0 or int(offsets.max()) > size:
+            raise c.fail(f"{name}.offsets", f"non-decreasing offsets in 0..{size} (rows {lo}..{hi})", offsets.tolist())
+        bounds = offsets.tolist()
+        data = blob[bounds[0] : bounds[-1]].numpy().tobytes()
+        at = [b - bounds[0] for b in bounds]
+        lines = (data[a:b] for a, b in zip(at, at[1:], strict=False))
+        json_values.append([json_scalar(line, c, f"{name} row {lo + r}") for r, line in enumerate(lines)])
     return idx, tensors, json_values
 
 
 def open_dataset(path: str | os.PathLike, *, incomplete: bool = False) -> Dataset:
-    """Open a saved dataset lazily; raises OutputError when it is incomplete.
+    """Open a saved dataset lazily; raises OutputError when it is incomplete, DatasetError when it is malformed.
 
-    With ``incomplete=True``, open instead what a failed run saved in ``<path>.partial``
+    The index is checked whole here; each shard's header the first time one of its filenames
+    is read. With ``incomplete=True``, open instead what a failed run saved in ``<path>.partial``
     (the frames committed before the failure, listed in ``tdgather.incomplete.json``).
     """
     return Dataset(path, incomplete)

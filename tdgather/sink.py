@@ -329,11 +329,16 @@ def save(
             swap). A directory that is not a tdgather dataset is refused, even with this.
         max_shard_bytes: start a new shard when a shard would grow past this; one filename
             never spans shards in one call.
-        metadata: extra JSON values stored in the index under ``"metadata"``.
+        metadata: extra JSON values stored in the index under ``"metadata"`` (with, for a
+            `tdgather.Gathered`, its duplicate counts).
 
     Returns:
         The dataset directory.
     """
+    stats = getattr(frames, "stats", None)  # a Gathered: its duplicate counts go in the index too
+    if stats is not None:
+        dups = {"duplicates_dropped": stats.duplicates.dropped, "duplicates": stats.duplicates.to_json()}
+        metadata = {**dups, **(metadata or {})}
     writer = DatasetWriter(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
     try:
         writer.write(frames)

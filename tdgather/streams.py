@@ -20,7 +20,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .duplicates import DuplicateCounts, DuplicatePolicy
-from .errors import FrameConflictError, PeerLostError, ProtocolError
+from .errors import CallMismatchError, FrameConflictError, PeerLostError, ProtocolError
 from .merge import merge
 from .sink import DatasetWriter
 from .store import FrameStore
@@ -115,7 +115,11 @@ class Sender(_Side):
         self.heartbeat = heartbeat_interval(self.timeout)
         self.frames = 0
         self.pending_peak = 0
-        ready = self.ch.recv_answer()  # 1. rank dst says whether the output can be written
+        try:
+            ready = self.ch.recv_answer()  # 1. rank dst says whether the output can be written
+        except CallMismatchError as e:  # dst is in another call: tell it (it names this rank), then raise
+            self.ch.wait(self.ch.send(Kind.ERROR, error_header(e)), "the error message")
+            raise
         if ready.kind == Kind.ERROR:
             raise peer_error(col.dst, ready.header)
         self.answer = None

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CallMismatchError, PeerError, PeerLostError, ProtocolError
-from .wire import PRELUDE_LEN, Kind, Limits, Prelude, decode_header, decode_json, encode_json
+from .wire import PRELUDE_LEN, Kind, Limits, Prelude, check_call, decode_header, decode_json, encode_json
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -205,7 +205,7 @@ class Channel:
         seq = self._seq_in
         raw_prelude = torch.empty(PRELUDE_LEN, dtype=torch.int64)
         self._recv_into(raw_prelude, f"the prelude of message {seq}", first_wait)
-        prelude = Prelude.decode(raw_prelude, self.peer, seq, self.limits, self.call)
+        prelude = Prelude.decode(raw_prelude, self.peer, seq, self.limits)
         if prelude.header_len == 0:
             raise ProtocolError(self.peer, "prelude.header_len", "expected a header, got length 0")
         raw_header = torch.empty(prelude.header_len, dtype=torch.uint8)
@@ -217,6 +217,7 @@ class Channel:
             payload = torch.empty(prelude.payload_len, dtype=torch.uint8)
             self._recv_into(payload, f"the payload of message {seq}")
         self._seq_in += 1
+        check_call(prelude, self.call)  # after reading it whole: the stream stays in step
         return Message(prelude, header, payload)
 
     def _recv_into(self, tensor: torch.Tensor, what: str, timeout: timedelta | None = None) -> None:
@@ -280,7 +281,6 @@ class Answers:
         self.answered: set[int] = set()
         self.lost: set[int] = set()
         self.lock = threading.Lock()
-        self._pending: dict[int, list] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="tdgather-heartbeat", daemon=True)
 
@@ -317,16 +317,17 @@ class Answers:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):
+            posted = []
             for peer, ch in self.channels.items():
-                with self.lock:
+                with self.lock:  # posted under the lock: never after the peer's answer
                     if peer in self.answered or peer in self.lost:
                         continue
-                    if any(not w.is_completed() for _, w in self._pending.get(peer, [])):
-                        continue  # the last one is not through yet: the peer is busy or gone
                     try:
-                        self._pending[peer] = ch.send(Kind.DATA, {"parts": []})
+                        posted.append((peer, ch, ch.send(Kind.DATA, {"parts": []})))
                     except PeerLostError:
                         self.lost.add(peer)
+            for peer, ch, works in posted:  # gloo completes a send only when it is waited on; a live
+                self._wait(peer, ch, works)  # sender always has a receive posted, so this is quick
 
     def stop(self) -> None:
         """Stop the heartbeats."""

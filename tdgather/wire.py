@@ -44,6 +44,7 @@ __all__ = [
     "PartSpec",
     "Prelude",
     "TensorSpec",
+    "check_call",
     "decode_header",
     "decode_json",
     "encode_json",
@@ -103,8 +104,12 @@ class Prelude:
         return torch.tensor([*fields, self.call, self.dst, self.digest], dtype=torch.int64)
 
     @staticmethod
-    def decode(t: torch.Tensor, src: int, seq: int, limits: Limits, call: tuple[int, int, int] = (0, 0, 0)) -> Prelude:
-        """Validate a received prelude from group rank ``src``: message ``seq`` of ``call`` (number, dst, digest)."""
+    def decode(t: torch.Tensor, src: int, seq: int, limits: Limits) -> Prelude:
+        """Validate a received prelude from group rank ``src``, expected number ``seq``.
+
+        Its call is checked by `check_call` once the whole message is read, so that the stream
+        stays in step and the peer's sends complete.
+        """
         magic, version, kind, got_seq, header_len, payload_len, got_src, *got_call = t.tolist()
 
         def check(ok: bool, field: str, expected: str, got: Any) -> None:
@@ -116,22 +121,26 @@ class Prelude:
         check(kind in Kind._value2member_map_, "kind", "1 (data), 2 (done) or 3 (error)", kind)
         check(got_seq == seq, "seq", f"message number {seq}", got_seq)
         check(got_src == src, "src", f"rank {src}", got_src)
-        if tuple(got_call) != tuple(call):
-            fields = ("call number", "dst", "kind or path")
-            differ = [w for w, a, b in zip(fields, got_call, call, strict=True) if a != b]
-            raise CallMismatchError(
-                f"rank {src} is in another tdgather call than this rank (its {', '.join(differ)}: "
-                f"{[got_call[i] for i in range(2)]} against this rank's {[call[i] for i in range(2)]} for call "
-                "number and dst): a rank skipped a gather()/Collector or made an extra one, or called it with "
-                "another dst, path or kind; every rank of the group must make the same tdgather calls in the same "
-                "order, even a rank with no frames"
-            )
         check(0 <= header_len <= limits.max_header_bytes, "header_len", f"0..{limits.max_header_bytes}", header_len)
         check(
             0 <= payload_len <= limits.max_payload_bytes, "payload_len", f"0..{limits.max_payload_bytes}", payload_len
         )
         check(kind == Kind.DATA or payload_len == 0, "payload_len", "0 for a done or error message", payload_len)
         return Prelude(Kind(kind), got_seq, header_len, payload_len, got_src, *got_call)
+
+
+def check_call(prelude: Prelude, call: tuple[int, int, int]) -> None:
+    """Refuse a message of another call: ``call`` is this rank's (number, dst, digest of kind and path)."""
+    got = (prelude.call, prelude.dst, prelude.digest)
+    if got == tuple(call):
+        return
+    differ = [w for w, a, b in zip(("call number", "dst", "kind or path"), got, call, strict=True) if a != b]
+    raise CallMismatchError(
+        f"rank {prelude.src} is in another tdgather call than this rank: its {' and '.join(differ)} differ "
+        f"(rank {prelude.src}: call {got[0]}, dst {got[1]}; this rank: call {call[0]}, dst {call[1]}). A rank "
+        "skipped a gather()/Collector or made an extra one, or called it with another dst, path or kind; every "
+        "rank of the group must make the same tdgather calls in the same order, even a rank with no frames"
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,279 @@
+"""Checks of a saved dataset before it is used: nothing on disk is trusted.
+
+The index is checked whole when a dataset is opened (it is already in memory): strict
+JSON, every field's type, shard names, groups, segments, and that every count agrees.
+A shard's header is checked the first time the shard is touched: its ``__metadata__``,
+and each group's tensors (dtype, shape, rows) against the layout the index gives.
+Values (JSON offsets and lines) are checked as they are read, so reading one filename
+still reads only its rows. Every refusal is a `DatasetError` naming the file and field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ._dtypes import SAFETENSORS_CODE, dtype_name
+from .errors import DatasetError
+from .frames import Layout
+from .sink import FORMAT
+from .wire import _Check, _decode_layout
+
+__all__ = [
+    "VERSIONS",
+    "Check",
+    "IndexPlan",
+    "check_group",
+    "check_index",
+    "check_segment",
+    "check_shard",
+    "load_json",
+    "open_shard",
+    "json_scalar",
+]
+
+VERSIONS = (1,)  # the index versions this tdgather reads
+SHARD_NAME = re.compile(r"shard-[0-9]{5,}\.safetensors")  # as DatasetWriter names them
+GROUP_NAME = re.compile(r"g[0-9]+")
+_DTYPE_OF_CODE = {code: dtype_name(dt) for dt, code in SAFETENSORS_CODE.items()}
+_SCALARS = (str, int, float, bool, type(None))
+
+
+class Check(_Check):
+    """`wire._Check` for a file on disk: the same typed field access, raising `DatasetError`."""
+
+    def __init__(self, file: str | os.PathLike) -> None:
+        super().__init__(src=-1)
+        self.file = str(file)
+
+    def fail(self, field: str, expected: str, got: Any) -> DatasetError:  # type: ignore[override]
+        return DatasetError(self.file, field, f"expected {expected}, got {got!r:.120}")
+
+    def mapping(self, x: Any, field: str) -> dict:
+        if not isinstance(x, dict):
+            raise self.fail(field, "an object", x)
+        return x
+
+
+def key(name: str) -> str:
+    """A filename as shown in a field name: quoted, long ones cut."""
+    return f"[{name[:40]!r}{'...' if len(name) > 40 else ''}]"
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate key {k!r:.60}")
+            seen.add(k)
+    return obj
+
+
+def load_json(raw: bytes | str, c: Check, field: str) -> Any:
+    """Parse strictly: UTF-8, no NaN or Infinity, no duplicate keys (deep nesting is refused, not a crash)."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise DatasetError(c.file, field, f"expected strict UTF-8 JSON (no NaN, no duplicate keys), got {e}") from e
+
+
+def json_scalar(line: bytes, c: Check, field: str) -> Any:
+    """One JSON line of a shard: a str, int, finite float, bool or null."""
+    value = load_json(line, c, field)
+    if not isinstance(value, _SCALARS) or (isinstance(value, float) and not math.isfinite(value)):
+        raise c.fail(field, "a JSON scalar (str, int, finite float, bool or null)", value)
+    return value
+
+
+def check_layout(obj: Any, c: Check, field: str) -> Layout:
+    """A group description, validated as the wire validates one, plus paths `rebuild` can set."""
+    layout = _decode_layout(obj, c, field)
+    if layout.kind == "tree":
+        paths = sorted([leaf.path for leaf in layout.leaves] + list(layout.nontensor))
+        for a, b in zip([None, *paths], paths, strict=False):
+            if not b or (a is not None and b[: len(a)] == a):
+                raise c.fail(f"{field}.leaves", "distinct non-empty paths, none inside another", [a, b])
+    return layout
+
+
+def check_segment(seg: Any, c: Check, field: str) -> tuple[str, str, int, int]:
+    """A segment's ``(shard, group, start, frames)``, each of the right type."""
+    c.obj(seg, field, {"shard", "group", "start", "frames"})
+    shard = c.str(seg["shard"], f"{field}.shard")
+    if not SHARD_NAME.fullmatch(shard):
+        raise c.fail(f"{field}.shard", "a shard file name like 'shard-00000.safetensors' (no directory)", shard)
+    group = c.str(seg["group"], f"{field}.group")
+    return shard, group, c.int(seg["start"], f"{field}.start"), c.int(seg["frames"], f"{field}.frames")
+
+
+@dataclass(frozen=True)
+class IndexPlan:
+    """What the index promises, once checked.
+
+    Attributes:
+        layouts: each filename's layout.
+        groups: each ``(shard, group)``'s layout.
+        needs: per ``(shard, group)``, the rows its segments reach and the field of the segment reaching furthest.
+    """
+
+    layouts: dict[str, Layout]
+    groups: dict[tuple[str, str], Layout]
+    needs: dict[tuple[str, str], tuple[int, str]]
+
+
+def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
+    """Check a parsed index: structure, types, references, and that every count agrees."""
+    c = Check(file)
+    c.mapping(index, "index")
+    if index.get("format") != FORMAT:
+        raise c.fail("format", repr(FORMAT), index.get("format"))
+    version = index.get("version")
+    if type(version) is not int or version not in VERSIONS:
+        wanted = " or ".join(map(str, VERSIONS))
+        raise c.fail("version", f"{wanted} (this tdgather reads index version {wanted} only)", version)
+    c.obj(index, "index", {"format", "version", "metadata", "shards", "files"})
+    meta = c.mapping(index["metadata"], "metadata")  # user keys are the user's: only ours are checked
+    totals = {k: c.int(meta.get(k), f"metadata.{k}") for k in ("total_frames", "total_bytes", "num_filenames")}
+    if incomplete:
+        failure = c.obj(meta.get("failure"), "metadata.failure", {"type", "message", "rank"})
+        c.str(failure["type"], "metadata.failure.type"), c.str(failure["message"], "metadata.failure.message")
+        if failure["rank"] is not None:
+            c.int(failure["rank"], "metadata.failure.rank")
+    groups: dict[tuple[str, str], Layout] = {}
+    shards = c.mapping(index["shards"], "shards")
+    for name, shard in shards.items():
+        f = f"shards{key(name)}"
+        if not SHARD_NAME.fullmatch(name):
+            raise c.fail(f, "a shard file name like 'shard-00000.safetensors' (no directory)", name)
+        c.obj(shard, f, {"frames", "bytes", "groups"})
+        c.int(shard["frames"], f"{f}.frames"), c.int(shard["bytes"], f"{f}.bytes")
+        for g, desc in c.mapping(shard["groups"], f"{f}.groups").items():
+            if not GROUP_NAME.fullmatch(g):
+                raise c.fail(f"{f}.groups", "group names like 'g0'", g)
+            groups[name, g] = check_layout(desc, c, f"{f}.groups[{g!r}]")
+    layouts: dict[str, Layout] = {}
+    ranges: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
+    frames_in = dict.fromkeys(shards, 0)
+    bytes_in = dict.fromkeys(shards, 0)
+    for name, entry in c.mapping(index["files"], "files").items():
+        f = f"files{key(name)}"
+        c.obj(entry, f, {"frames", "segments"})
+        frames = c.int(entry["frames"], f"{f}.frames")
+        total = 0
+        for i, seg in enumerate(c.list(entry["segments"], f"{f}.segments")):
+            sf = f"{f}.segments[{i}]"
+            shard, g, start, count = check_segment(seg, c, sf)
+            if shard not in shards:
+                raise c.fail(f"{sf}.shard", "a shard listed in 'shards'", shard)
+            if (shard, g) not in groups:
+                raise c.fail(f"{sf}.group", f"a group of {shard} ({sorted(shards[shard]['groups'])})", g)
+            layout = layouts.setdefault(name, groups[shard, g])
+            if groups[shard, g] != layout:
+                raise c.fail(f"{sf}.group", f"the layout of the first segment, {layout.describe()}", g)
+            ranges.setdefault((shard, g), []).append((start, start + count, sf))
+            frames_in[shard] += count
+            bytes_in[shard] += count * layout.frame_nbytes
+            total += count
+        if name not in layouts:
+            raise c.fail(f"{f}.segments", "at least one segment", [])
+        if frames != total:
+            raise c.fail(f"{f}.frames", f"{total}, the sum of its segments' frames", frames)
+    needs = {}
+    for (shard, g), spans in ranges.items():
+        needs[shard, g] = max((end, field) for _, end, field in spans)
+        spans = sorted(s for s in spans if s[1] > s[0])  # an empty segment overlaps nothing
+        for (_, end, other), (start, _, field) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                raise c.fail(f"{field}.start", f"a start >= {end}, where {other} of the same group ends", start)
+    for name, shard in shards.items():
+        for what, want in (("frames", frames_in[name]), ("bytes", bytes_in[name])):
+            if shard[what] != want:
+                raise c.fail(f"shards{key(name)}.{what}", f"{want}, the sum over its segments", shard[what])
+    for what, want in (
+        ("total_frames", sum(frames_in.values())),
+        ("total_bytes", sum(bytes_in.values())),
+        ("num_filenames", len(layouts)),
+    ):
+        if totals[what] != want:
+            raise c.fail(f"metadata.{what}", f"{want}, as the shards and files say", totals[what])
+    return IndexPlan(layouts, groups, needs)
+
+
+def open_shard(root: Path, name: str, c: Check, field: str) -> Any:
+    """Open a shard named by ``field`` of ``c``'s file, refusing any path that leaves ``root``."""
+    if not SHARD_NAME.fullmatch(name):
+        raise c.fail(field, "a shard file name like 'shard-00000.safetensors' (no directory)", name)
+    path = root / name
+    # Only a file directly in the dataset directory is read. A symlink is followed only when it resolves
+    # to a file in that directory too (a shard linked to another shard of the dataset is accepted);
+    # a link that leads anywhere else is refused before anything is opened.
+    real = os.path.realpath(path)
+    if os.path.dirname(real) != os.path.realpath(root):
+        raise DatasetError(str(path), "file", f"expected a file in the dataset directory, got a link to {real!r}")
+    if not os.path.isfile(real):  # missing, or a directory, FIFO or device: never opened
+        got = "something else (a directory, FIFO or device)" if os.path.exists(real) else "no such file"
+        raise DatasetError(str(path), "file", f"expected a regular file, got {got}")
+    try:
+        return safe_open(real, framework="pt")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise DatasetError(str(path), "header", f"expected a readable safetensors file, got {e}") from e
+
+
+def shard_groups(f: Any, c: Check) -> dict:
+    """A shard's ``__metadata__``: its format and its group descriptions (not yet validated)."""
+    meta = f.metadata() or {}
+    if meta.get("format") != FORMAT:
+        raise c.fail("__metadata__.format", repr(FORMAT), meta.get("format"))
+    return c.mapping(load_json(c.str(meta.get("groups"), "__metadata__.groups"), c, "__metadata__.groups"), "groups")
+
+
+def check_group(f: Any, c: Check, group: str, layout: Layout) -> int:
+    """Check one group's tensors in a shard header against ``layout``; return its rows ``N``."""
+    names = set(f.keys())
+
+    def tensor(name: str, dtype: torch.dtype, shape: tuple = (), rows: int | None = None) -> Any:
+        got = f.get_slice(name) if name in names else None
+        code, dims = (got.get_dtype(), tuple(got.get_shape())) if got is not None else (None, ())
+        want = (rows if rows is not None else dims[0] if dims else "N", *shape)
+        if code != SAFETENSORS_CODE[dtype] or dims != want:
+            has = "no such tensor" if got is None else f"{_DTYPE_OF_CODE.get(code, code)}{list(dims)}"
+            raise c.fail(name, f"{dtype_name(dtype)}[{', '.join(map(str, want))}]", has)
+        return got
+
+    n = tensor(f"{group}.frame_idx", torch.int64).get_shape()[0]
+    for j, leaf in enumerate(layout.leaves):
+        tensor(f"{group}.leaf{j}", leaf.dtype, leaf.shape, n)
+    for j in range(len(layout.nontensor)):
+        blob = tensor(f"{group}.json{j}", torch.uint8).get_shape()[0]
+        offsets = tensor(f"{group}.json{j}.offsets", torch.int64, (), n + 1)
+        ends = [int(offsets[0:1]), int(offsets[n : n + 1])]
+        if ends != [0, blob]:
+            raise c.fail(f"{group}.json{j}.offsets", f"first and last offsets [0, {blob}] (the blob's length)", ends)
+    return n
+
+
+def check_shard(f: Any, c: Check, shard: str, groups: dict, plan: IndexPlan, index: Check) -> None:
+    """Check a shard header against the index: its groups, each group's tensors, the rows segments read."""
+    got = shard_groups(f, c)
+    if got != groups:
+        raise c.fail("__metadata__.groups", "the groups the index lists for this shard", got)
+    for g in groups:
+        n = check_group(f, c, g, plan.groups[shard, g])
+        end, field = plan.needs.get((shard, g), (0, ""))
+        if end > n:
+            raise index.fail(field, f"start + frames <= {n}, the rows of {g} in {shard}", end)
