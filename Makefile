@@ -11,7 +11,7 @@ test:
 
 bench:
 	./scripts/setup.sh bench
-	.venv/bin/tdgather bench --quick
+	.venv/bin/python -m benchmarks.suite --quick
 
 lint:
 	./scripts/setup.sh dev

@@ -1,4 +1,4 @@
-"""``tdgather bench``: tdgather against the usual methods and the physical limit, in one run.
+"""``python -m benchmarks.suite``: tdgather against the usual methods and the physical limit, in one run.
 
 Every (world size, workload, method) runs in a fresh local gloo world (its own processes).
 Each rank generates its share of the workload (untimed), calls the method once to warm up, then
@@ -7,7 +7,7 @@ method's return on rank 0 (the moment rank 0 holds everything), median of the re
 samples its anonymous resident memory every 2 ms; the peak above the value before each call,
 over the bytes it received, is the memory multiple.
 
-Run ``python -m benchmarks.suite --help`` (or ``tdgather bench --help``).
+Run ``python -m benchmarks.suite --help``.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _last_error_line(e: WorldError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tdgather bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.suite", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small workloads (x0.03), 2 repeats: under 2 minutes")
     parser.add_argument("--worlds", type=int, nargs="+", help="world sizes (default 2 4)")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), help="default: all (quick: not large_whole)")
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_suite(
         worlds, args.workloads or preset["workloads"], args.methods, scale, repeats, args.budget_mib << 20, args.timeout
     )
-    command = "tdgather bench " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.suite " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(f"suite: {time.perf_counter() - t0:.0f} s")
     if not args.no_report:
         md = write_report(rows, Path(args.out), command, scale, repeats, args.budget_mib, time.perf_counter() - t0)

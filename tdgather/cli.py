@@ -1,7 +1,8 @@
 """The ``tdgather`` command: a thin layer over the library.
 
 ``tdgather demo`` runs the demo job on a local CPU world; ``tdgather inspect
-PATH`` describes a saved dataset; ``tdgather bench`` runs the benchmark suite.
+PATH`` describes a saved dataset. (The benchmark suite lives in ``benchmarks/`` of a
+source checkout: ``python -m benchmarks.suite``; the package never imports it.)
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from .errors import TdgatherError
 
@@ -74,20 +74,6 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(argv: list[str]) -> int:
-    repo = Path(__file__).resolve().parent.parent
-    if not (repo / "benchmarks" / "suite.py").is_file():
-        print(
-            "tdgather bench runs the suite in benchmarks/ of a source checkout; none is beside this install",
-            file=sys.stderr,
-        )
-        return 2
-    sys.path.insert(0, str(repo))
-    from benchmarks.suite import main as bench_main
-
-    return bench_main(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = argparse.ArgumentParser(prog="tdgather", description=__doc__.splitlines()[0])
@@ -108,10 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("--all", action="store_true", help="list every filename")
     inspect.add_argument("--incomplete", action="store_true", help="what a failed run saved in PATH.partial")
     inspect.set_defaults(run=_inspect)
-    sub.add_parser("bench", help="benchmark against gather_object, tensordict, padding and the raw limit")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # the suite parses its own options (tdgather bench --help)
-        return _bench(argv[1:])
     args = parser.parse_args(argv)
     try:
         return args.run(args)

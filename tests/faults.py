@@ -1,4 +1,4 @@
-"""Per-rank cases that inject the faults of DESIGN.md §4 into real gloo worlds.
+"""Per-rank cases that inject the faults of the fault matrix (docs/design.md) into real gloo worlds.
 
 Each ``case_*`` runs in every rank of `tdgather.launch.run_local_world`. Ranks that are
 killed or stopped leave no result; the survivors return what they saw (error type, rank,

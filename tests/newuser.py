@@ -120,6 +120,7 @@ def case_dst_stops_after_senders_finished(out: str, timeout: float) -> dict | No
             col.update({f"r{rank}": (0, torch.ones(2))})
             if rank == 0:
                 time.sleep(0.5)
+                Path(out + ".pid").write_text(str(os.getpid()))  # the test SIGKILLs it later, as torchrun would
                 os.kill(os.getpid(), signal.SIGSTOP)
     except tdgather.TdgatherError as e:
         return {"type": type(e).__name__, "rank": getattr(e, "rank", None), "message": str(e), "at": time.time()}
@@ -235,3 +236,14 @@ def case_misuse(how: str, tmp: str, timeout: float) -> dict:
             "seconds": time.monotonic() - start,
         }
     return {"type": None, "seconds": time.monotonic() - start}
+
+
+def case_overwrite_user_directory(out: str) -> dict:
+    """Every rank opens a Collector with overwrite=True onto a directory of the user's files."""
+    rank = dist.get_rank()
+    try:
+        with tdgather.Collector(out, overwrite=True, timeout=60, progress=False) as col:
+            col.update({f"r{rank}": (0, torch.ones(1))})
+    except tdgather.TdgatherError as e:
+        return {"type": type(e).__name__, "rank": getattr(e, "rank", None), "message": str(e)}
+    return {"type": None}

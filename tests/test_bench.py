@@ -25,7 +25,7 @@ def test_suite_smoke(tmp_path, capsys):
     text = report.read_text()
     for method in ("raw_p2p", "tdgather_store", "gather_object"):
         assert f"| mixed | {method} |" in text
-    assert "torch 2." in text and "command: `tdgather bench" in text
+    assert "torch 2." in text and "command: `python -m benchmarks.suite" in text
     assert "failed" not in text
 
 

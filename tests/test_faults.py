@@ -1,4 +1,4 @@
-"""The fault matrix of DESIGN.md §4, in real gloo worlds; every test is bounded in time.
+"""The fault matrix (docs/design.md), in real gloo worlds; every test is bounded in time.
 
 Rows 1-8, 14, 15 and 17 are here, named ``test_row<N>_...``. The others sit beside the feature
 they test:

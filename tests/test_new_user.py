@@ -1,13 +1,18 @@
 """What a new user does on day one, in real gloo worlds: the seed scenario, uneven ranks, conflicts after
 shards were written, a filename UTF-8 cannot encode, and collective misuse. Each test is bounded in time."""
 
+import contextlib
+import os
+import signal
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import tdgather
-from tdgather.launch import run_local_world
+from tdgather.launch import WorldError, run_local_world
 
 from . import newuser
 
@@ -53,49 +58,24 @@ def test_ranks_that_finish_many_timeouts_apart_complete(tmp_path, how, busy):
 
 
 def test_a_stopped_dst_is_detected_by_finished_senders_within_the_timeout(tmp_path):
+    out = str(tmp_path / "ds")
+    killer = threading.Thread(target=_kill_later, args=(out + ".pid", 8.0), daemon=True)
+    killer.start()
     start = time.time()
-    out = run_local_world_tolerant(newuser.case_dst_stops_after_senders_finished, str(tmp_path / "ds"), 2.0)
-    for r in out[1:]:
+    with pytest.raises(WorldError) as info:  # rank 0 stopped, then killed: it leaves no result
+        run_local_world(newuser.case_dst_stops_after_senders_finished, 3, out, 2.0, timeout=40)
+    assert set(info.value.failures) == {0}
+    for r in info.value.results[1:]:
         assert r["type"] == "PeerLostError" and r["rank"] == 0, r
         assert "no progress for 2 s" in r["message"]
         assert r["at"] - start < 2.0 + 10.0  # the timeout, plus process start and slack on 2 cores
 
 
-def run_local_world_tolerant(fn, *args):
-    """Rank 0 is stopped (it never returns): kill it once the others have, and return what they said."""
-    import multiprocessing as mp
-    import os
-    import signal
-    import threading
-
-    from tdgather.launch import WorldError
-
-    killer = threading.Thread(target=_kill_stopped_children, daemon=True)
-    killer.start()
-    try:
-        return run_local_world(fn, 3, *args, timeout=40)
-    except WorldError as e:
-        assert set(e.failures) == {0}, e
-        return e.results
-    finally:
-        del mp, os, signal
-
-
-def _kill_stopped_children():
-    """Rank 0 SIGSTOPs itself: SIGKILL any stopped tdgather world process after a while, as torchrun would."""
-    import os
-    import signal
-
-    time.sleep(8)
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as fh:
-                    state = fh.read().rsplit(")", 1)[1].split()[0]
-                if state == "T":
-                    os.kill(int(pid), signal.SIGKILL)
-            except OSError:
-                pass
+def _kill_later(pid_file: str, after: float) -> None:
+    """SIGKILL the rank that stopped itself, once the others had time to notice (what torchrun would do)."""
+    time.sleep(after)
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int(Path(pid_file).read_text()), signal.SIGKILL)
 
 
 def test_a_conflict_after_shards_were_written_keeps_what_was_saved(tmp_path):
@@ -161,3 +141,15 @@ def test_two_collectors_on_one_group_are_refused_on_every_rank(tmp_path):
 def test_two_collectors_on_two_groups_both_work(tmp_path):
     r = run_local_world(newuser.case_misuse, 3, "two_collectors_two_groups", str(tmp_path), 30.0, timeout=120)
     assert r[0] == {"type": None, "pred": 3, "emb": 3, "emb_shape": [1, 3]}
+
+
+def test_collector_overwrite_onto_a_user_directory_is_refused_on_every_rank(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    r = run_local_world(newuser.case_overwrite_user_directory, 3, str(mine), timeout=120)
+    assert r[0]["type"] == "OutputError" and "is not a tdgather dataset (it holds 'notes.txt')" in r[0]["message"]
+    for x in r[1:]:
+        assert x["type"] == "PeerError" and x["rank"] == 0 and "not a tdgather dataset" in x["message"]
+    assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["mine"]
