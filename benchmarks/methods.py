@@ -48,6 +48,8 @@ class RankData:
     as_dict: dict = field(default_factory=dict)
     collector_budget: int = 256 << 20
     last_add: float = 0.0
+    calls: int = 0  # Collector runs so far: the same count on every rank, so the same path
+    token: int = 0  # chosen by rank 0, the same on every rank
 
     @staticmethod
     def build(batches: list, scratch: str) -> RankData:
@@ -55,12 +57,14 @@ class RankData:
         sizes = torch.zeros(dist.get_world_size(), dtype=torch.int64)
         sizes[dist.get_rank()] = nbytes
         dist.all_reduce(sizes)
+        token = torch.tensor([time.monotonic_ns() % (1 << 62) if dist.get_rank() == 0 else 0])
+        dist.all_reduce(token)
         as_dict: dict = {}
         for names, idx, frames in batches:
             # per-frame copies: a view would make pickle serialise the whole batch's storage with each frame
             for name, i, frame in zip(names, idx.tolist(), frames, strict=True):
                 as_dict.setdefault(name, []).append((i, frame.clone()))
-        return RankData(batches, nbytes, sizes.tolist(), scratch, as_dict)
+        return RankData(batches, nbytes, sizes.tolist(), scratch, as_dict, token=int(token))
 
 
 def raw_p2p(d: RankData) -> None:
@@ -88,7 +92,8 @@ def tdgather_dict(d: RankData) -> None:
 
 
 def tdgather_collector(d: RankData) -> None:
-    path = os.path.join(d.scratch, f"collector-{time.monotonic_ns()}")
+    d.calls += 1
+    path = os.path.join(d.scratch, f"collector-{d.token}-{d.calls}")  # the same path on every rank
     with tdgather.Collector(path, memory_budget=d.collector_budget, progress=False) as col:
         for names, idx, frames in d.batches:
             col.add(names, idx, frames)

@@ -134,12 +134,15 @@ def check_call(prelude: Prelude, call: tuple[int, int, int]) -> None:
     got = (prelude.call, prelude.dst, prelude.digest)
     if got == tuple(call):
         return
-    differ = [w for w, a, b in zip(("call number", "dst", "kind or path"), got, call, strict=True) if a != b]
+    fields = ("call number", "dst", "kind of call (gather or Collector) or Collector path")
+    differ = [w for w, a, b in zip(fields, got, call, strict=True) if a != b]
     raise CallMismatchError(
         f"rank {prelude.src} is in another tdgather call than this rank: its {' and '.join(differ)} differ "
         f"(rank {prelude.src}: call {got[0]}, dst {got[1]}; this rank: call {call[0]}, dst {call[1]}). A rank "
-        "skipped a gather()/Collector or made an extra one, or called it with another dst, path or kind; every "
-        "rank of the group must make the same tdgather calls in the same order, even a rank with no frames"
+        "skipped a gather()/Collector or made an extra one, or called it with another dst or path; every rank of "
+        "the group must make the same tdgather calls in the same order, even a rank with no frames, and pass a "
+        "Collector the same path string (only rank dst writes there, but the path names the call on every rank: "
+        "compute it once, not per rank, e.g. no per-rank timestamps)"
     )
 
 

@@ -47,11 +47,9 @@ def test_seed_scenario_under_the_exact_policy_names_the_inexact_copy(tmp_path):
         run_local_world(newuser.case_seed, 5, "gather", str(tmp_path / "strict"), "exact", timeout=120)
 
 
-@pytest.mark.parametrize("busy", ["dst", "sender"])
-@pytest.mark.parametrize("how", ["collector", "gather"])
+# (gather, a late sender) is not here: every rank must enter gather within the timeout, as documented
+@pytest.mark.parametrize("how, busy", [("collector", "dst"), ("collector", "sender"), ("gather", "dst")])
 def test_ranks_that_finish_many_timeouts_apart_complete(tmp_path, how, busy):
-    if how == "gather" and busy == "sender":
-        pytest.skip("gather: every rank must enter within the timeout (documented); use a Collector")
     out = run_local_world(newuser.case_uneven_finish, 3, how, busy, 6.0, 1.0, str(tmp_path / "ds"), timeout=120)
     assert out[0]["frames"] == 9
     assert all(r["waited"] >= 5.5 for r in out)  # everyone waited through 6 timeouts of 1 s, and nobody failed
@@ -122,7 +120,7 @@ def test_different_dst_ends_within_the_timeout_naming_the_likely_cause(tmp_path)
 def test_a_skipped_collector_is_named_not_mixed_in(tmp_path):
     r = run_local_world(newuser.case_misuse, 3, "skipped_collector", str(tmp_path), 30.0, timeout=120)
     assert r[2]["type"] == "CallMismatchError" and "rank 0 is in another tdgather call" in r[2]["message"]
-    assert "its kind or path differ" in r[2]["message"]
+    assert "its kind of call (gather or Collector) or Collector path differ" in r[2]["message"]
     assert r[0]["type"] == "CallMismatchError" and "rank 2 is in another tdgather call" in r[0]["message"]
     assert all(x["seconds"] < 10 for x in r)
     assert not (tmp_path / "epoch_1").exists() and not (tmp_path / "epoch_2").exists()
