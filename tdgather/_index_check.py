@@ -33,11 +33,14 @@ __all__ = [
     "IndexPlan",
     "check_group",
     "check_index",
+    "check_layout",
     "check_segment",
     "check_shard",
+    "json_scalar",
+    "key",
     "load_json",
     "open_shard",
-    "json_scalar",
+    "shard_groups",
 ]
 
 VERSIONS = (1,)  # the index versions this tdgather reads
@@ -58,6 +61,7 @@ class Check(_Check):
         return DatasetError(self.file, field, f"expected {expected}, got {got!r:.120}")
 
     def mapping(self, x: Any, field: str) -> dict:
+        """A JSON object with any keys (`obj` wants exactly some)."""
         if not isinstance(x, dict):
             raise self.fail(field, "an object", x)
         return x
@@ -101,14 +105,8 @@ def json_scalar(line: bytes, c: Check, field: str) -> Any:
 
 
 def check_layout(obj: Any, c: Check, field: str) -> Layout:
-    """A group description, validated as the wire validates one, plus paths `rebuild` can set."""
-    layout = _decode_layout(obj, c, field)
-    if layout.kind == "tree":
-        paths = sorted([leaf.path for leaf in layout.leaves] + list(layout.nontensor))
-        for a, b in zip([None, *paths], paths, strict=False):
-            if not b or (a is not None and b[: len(a)] == a):
-                raise c.fail(f"{field}.leaves", "distinct non-empty paths, none inside another", [a, b])
-    return layout
+    """A group description, validated as the wire validates one (`tdgather.wire`)."""
+    return _decode_layout(obj, c, field)
 
 
 def check_segment(seg: Any, c: Check, field: str) -> tuple[str, str, int, int]:

@@ -108,8 +108,8 @@ class DatasetError(TdgatherError, ValueError):
 
     def __init__(self, file: str, field: str, message: str) -> None:
         super().__init__(
-            f"{file}: {field}: {message}. The dataset was not written by tdgather as it is now (edited by hand, "
-            "truncated or corrupted): restore it, or write it again"
+            f"{file}: {field}: {message}. tdgather.open refuses what it cannot trust: if the dataset was edited "
+            "by hand, truncated or corrupted, restore it or write it again"
         )
         self.file = file
         self.field = field

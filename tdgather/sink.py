@@ -58,8 +58,8 @@ DEFAULT_SHARD_BYTES = 1 << 30
 
 
 _OURS = re.compile(
-    r"(shard-\d{5}\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + r")"
-    r"|\.(shard-\d{5}\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + r")\.tmp-\d+"
+    r"(shard-\d{5,}\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + r")"
+    r"|\.(shard-\d{5,}\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + r")\.tmp-\d+"
 )
 
 

@@ -308,6 +308,15 @@ def test_header_schema_checks_ranges_overlaps_and_sizes():
         decode_header(bad, Kind.DATA, 1, n)
     with pytest.raises(ProtocolError, match=r"prelude.payload_len: expected at most \d+ \(the end of the last leaf\)"):
         decode_header(header, Kind.DATA, 1, n + 4096)  # bytes no leaf announces are never allocated
+    bad = json.loads(json.dumps(header))
+    bad["parts"][0]["layout"] = {
+        "kind": "tree",
+        "cls": None,
+        "json": [["x", "y"]],
+        "leaves": [{"path": ["x"], "dtype": "float32", "shape": [3]}],
+    }
+    with pytest.raises(ProtocolError, match=r"layout.leaves: expected distinct non-empty paths, none inside another"):
+        decode_header(bad, Kind.DATA, 1, n)  # a hostile layout that rebuild() could not set: refused on receipt
     with pytest.raises(ProtocolError, match=r"prelude.payload_len: expected at most 0"):
         decode_header({"parts": []}, Kind.DATA, 1, 1 << 30)  # a heartbeat with a 1 GiB payload
 
