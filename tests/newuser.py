@@ -37,6 +37,11 @@ class VideoFrames(Dataset):
         return {"filename": f"video_{v:02d}.mp4", "frame_idx": t, "video": video_frames(0, v, [t], SIZE)[0]}
 
 
+def _error(e: BaseException, **extra) -> dict:
+    """What a rank reports of its error."""
+    return {"type": type(e).__name__, "rank": getattr(e, "rank", None), "message": str(e), **extra}
+
+
 def _model() -> DemoNet:
     torch.manual_seed(0)
     return DemoNet().eval()
@@ -123,7 +128,7 @@ def case_dst_stops_after_senders_finished(out: str, timeout: float) -> dict | No
                 Path(out + ".pid").write_text(str(os.getpid()))  # the test SIGKILLs it later, as torchrun would
                 os.kill(os.getpid(), signal.SIGSTOP)
     except tdgather.TdgatherError as e:
-        return {"type": type(e).__name__, "rank": getattr(e, "rank", None), "message": str(e), "at": time.time()}
+        return _error(e, at=time.time())
     return {"type": None}
 
 
@@ -156,7 +161,7 @@ def case_conflict_after_shards(out: str) -> dict | None:
                 col.update({"x.mp4": (1, torch.full((4,), 0.5))})  # the conflict
                 col.update({"three.mp4": (0, torch.full((4,), 3.0))})
     except tdgather.TdgatherError as e:
-        return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
+        return _error(e)
     return {"type": None}
 
 
@@ -188,12 +193,7 @@ def case_bad_filename_on_a_rank(how: str, out: str) -> dict | None:
             with tdgather.Collector(out, timeout=60, progress=False) as col:
                 col.add([name], [0], torch.ones(1, 2))
     except tdgather.TdgatherError as e:
-        return {
-            "type": type(e).__name__,
-            "rank": getattr(e, "rank", None),
-            "message": str(e),
-            "seconds": time.monotonic() - start,
-        }
+        return _error(e, seconds=time.monotonic() - start)
     return {"type": None}
 
 
@@ -229,12 +229,7 @@ def case_misuse(how: str, tmp: str, timeout: float) -> dict:
                 a.update({f"r{rank}": (0, torch.ones(1))})
                 tdgather.gather({f"r{rank}": (0, torch.ones(1))}, timeout=timeout)
     except tdgather.TdgatherError as e:
-        return {
-            "type": type(e).__name__,
-            "rank": getattr(e, "rank", None),
-            "message": str(e),
-            "seconds": time.monotonic() - start,
-        }
+        return _error(e, seconds=time.monotonic() - start)
     return {"type": None, "seconds": time.monotonic() - start}
 
 
@@ -245,5 +240,5 @@ def case_overwrite_user_directory(out: str) -> dict:
         with tdgather.Collector(out, overwrite=True, timeout=60, progress=False) as col:
             col.update({f"r{rank}": (0, torch.ones(1))})
     except tdgather.TdgatherError as e:
-        return {"type": type(e).__name__, "rank": getattr(e, "rank", None), "message": str(e)}
+        return _error(e)
     return {"type": None}
