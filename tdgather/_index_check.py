@@ -270,6 +270,9 @@ def check_shard(f: Any, c: Check, shard: str, groups: dict, plan: IndexPlan, ind
     got = shard_groups(f, c)
     if got != groups:
         raise c.fail("__metadata__.groups", "the groups the index lists for this shard", got)
+    own = (f.metadata() or {}).get("shard")  # written since protocol 2; older shards do not carry it
+    if own is not None and own != shard:
+        raise c.fail("__metadata__.shard", f"{shard!r} (its own name: shard files were renamed or swapped)", own)
     for g in groups:
         n = check_group(f, c, g, plan.groups[shard, g])
         end, field = plan.needs.get((shard, g), (0, ""))

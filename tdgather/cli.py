@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from .errors import TdgatherError
+from .launch import WorldError
 
 __all__ = ["main"]
 
@@ -31,9 +32,14 @@ def _demo(args: argparse.Namespace) -> int:
         f"tdgather demo: {args.world_size} ranks (gloo, CPU), {args.videos} synthetic videos, writing {args.out}",
         flush=True,
     )
-    s = run_demo(
-        args.world_size, args.videos, args.max_frames, args.size, args.batch, args.out, args.seed, args.timeout
-    )
+    try:
+        s = run_demo(
+            args.world_size, args.videos, args.max_frames, args.size, args.batch, args.out, args.seed, args.timeout
+        )
+    except WorldError as e:  # one line per failed rank: its last line, which names the error
+        for rank, failure in sorted(e.failures.items()):
+            print(f"tdgather demo: rank {rank}: {failure.strip().splitlines()[-1]}", file=sys.stderr)
+        return 1
     per_rank = ", ".join(f"{r}: {n}" for r, n in s["frames_per_rank"].items())
     rows = [
         ("frames", f"{s['frames']} in {s['filenames']} filenames (per rank {per_rank})"),
@@ -54,6 +60,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from .reader import Dataset
 
     ds = Dataset(args.path, incomplete=args.incomplete)
+    ds.verify()  # every shard's header, against the index: what open() checks lazily
     names = list(ds)
     shown = names if args.all else names[: args.limit]
     width = min(60, max([len(repr(n)) for n in shown] + [8]))
@@ -79,11 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tdgather", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the demo job on a local CPU world and save to --out")
-    demo.add_argument("--world-size", type=int, default=4, help="processes (default 4)")
-    demo.add_argument("--videos", type=int, default=12, help="synthetic videos (default 12)")
-    demo.add_argument("--max-frames", type=int, default=40, help="frames of the longest video (default 40)")
-    demo.add_argument("--size", type=int, default=64, help="frame height and width (default 64)")
-    demo.add_argument("--batch", type=int, default=16, help="inference batch size (default 16)")
+    demo.add_argument("--world-size", type=_positive, default=4, help="processes (default 4)")
+    demo.add_argument("--videos", type=_positive, default=12, help="synthetic videos (default 12)")
+    demo.add_argument("--max-frames", type=_positive, default=40, help="frames of the longest video (default 40)")
+    demo.add_argument("--size", type=_positive, default=64, help="frame height and width (default 64)")
+    demo.add_argument("--batch", type=_positive, default=16, help="inference batch size (default 16)")
     demo.add_argument("--out", default="out/demo", help="dataset directory, replaced if present (default out/demo)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds before the job is stopped")
@@ -98,6 +105,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
+    except BrokenPipeError:  # `tdgather inspect ... | head`
+        sys.stderr.close()
+        return 0
     except (TdgatherError, OSError) as e:
         print(f"tdgather: {e}", file=sys.stderr)
         return 1
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value

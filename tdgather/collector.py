@@ -103,6 +103,7 @@ class Collector:
         max_shard_bytes: the largest shard rank ``dst`` writes.
         progress: a progress bar on rank ``dst``; default: only when stderr is a terminal.
         log_summary: log the summary (logger ``"tdgather"``) when closing.
+        metadata: extra JSON values stored in the index under ``"metadata"`` (as `tdgather.save`).
     """
 
     def __init__(
@@ -121,10 +122,18 @@ class Collector:
         max_shard_bytes: int = DEFAULT_SHARD_BYTES,
         progress: bool | None = None,
         log_summary: bool = False,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
+        for name, value, low in (("memory_budget", memory_budget, 1), ("max_pending", max_pending, 1)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 1):
+            expected = "None (derived from the budget) or an integer >= 1"
+            raise ValueError(f"chunk_bytes: expected {expected}, got {chunk_bytes!r}")
         self.path, self.dst, self.group = Path(path), dst, group
         self.timeout = as_timeout(timeout)
-        self.overwrite, self.memory_budget, self.max_pending = overwrite, memory_budget, max(1, max_pending)
+        self.overwrite, self.memory_budget, self.max_pending = overwrite, memory_budget, max_pending
+        self.metadata = dict(metadata or {})
         self.max_shard_bytes, self.progress, self.log_summary = max_shard_bytes, progress, log_summary
         self.duplicates, self.copy = DuplicatePolicy.of(duplicates), copy
         self._chunk_bytes = chunk_bytes

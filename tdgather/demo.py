@@ -19,7 +19,9 @@ from torch import nn
 from .collector import Collector
 from .launch import run_local_world
 
-__all__ = ["DemoNet", "assignment", "run_demo", "video_frames"]
+__all__ = ["DEMO_MARK", "DemoNet", "assignment", "check_demo_output", "run_demo", "video_frames"]
+
+DEMO_MARK = "tdgather_demo"  # in the index metadata of a dataset the demo wrote
 
 
 class DemoNet(nn.Module):
@@ -76,7 +78,8 @@ def _rank_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     model = DemoNet().eval()
     mine = assignment(cfg["seed"], cfg["lengths"], world)[rank]
     t0 = time.perf_counter()
-    with Collector(cfg["out"], overwrite=True, timeout=cfg["timeout"], progress=False) as col:
+    demo = {DEMO_MARK: True}  # so that `tdgather demo --out` replaces only a dataset the demo wrote
+    with Collector(cfg["out"], overwrite=True, timeout=cfg["timeout"], progress=False, metadata=demo) as col:
         with torch.inference_mode():
             for i in range(0, len(mine), cfg["batch"]):
                 batch = mine[i : i + cfg["batch"]]
@@ -99,6 +102,21 @@ def _rank_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def check_demo_output(out: str) -> None:
+    """Refuse an output that holds a tdgather dataset the demo did not write (the demo replaces only its own)."""
+    from pathlib import Path
+
+    from .errors import OutputError
+    from .reader import open_dataset
+    from .sink import INDEX_NAME
+
+    if (Path(out) / INDEX_NAME).is_file() and not open_dataset(out).metadata.get(DEMO_MARK):
+        raise OutputError(
+            f"output {out!r} holds a tdgather dataset that the demo did not write; the demo replaces only its own "
+            "output: pass another --out"
+        )
+
+
 def run_demo(
     world_size: int = 4,
     videos: int = 12,
@@ -110,6 +128,7 @@ def run_demo(
     timeout: float = 300.0,
 ) -> dict[str, Any]:
     """Run the demo job on a local world and return rank 0's summary (plus wall seconds)."""
+    check_demo_output(str(out))
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(max(1, max_frames // 5), max_frames + 1, (videos,), generator=g).tolist()
     cfg = {"seed": seed, "lengths": lengths, "size": size, "batch": batch, "out": str(out), "timeout": timeout}

@@ -98,6 +98,11 @@ class Verdict:
     counts: DuplicateCounts
     refused: torch.Tensor  # bool [K]: copies the policy does not accept
     diff: torch.Tensor  # float64 [K]: largest absolute difference per copy
+    json_diff: dict[int, str]  # copy k -> its first JSON leaf that differs, described
+
+    def describe(self, k: int) -> str:
+        """How copy ``k`` differs, for messages."""
+        return self.json_diff.get(k) or f"largest absolute difference {float(self.diff[k]):g}"
 
 
 def json_same(a: Any, b: Any) -> bool:
@@ -138,14 +143,17 @@ def compare(
         d, c = _difference(a.reshape(k, -1), b.reshape(k, -1), policy)
         diff = torch.maximum(diff, d)
         close &= c
-    for a, b in zip(new_json, old_json, strict=True):
+    json_diff: dict[int, str] = {}
+    for path, a, b in zip(layout.nontensor, new_json, old_json, strict=True):
         same = torch.tensor([json_same(x, y) for x, y in zip(a, b, strict=True)], dtype=torch.bool)
         exact &= same
         close &= same
+        for i in (~same).nonzero().flatten().tolist():
+            json_diff.setdefault(i, f"JSON key {'.'.join(path)!r}: {a[i]!r:.60} against {b[i]!r:.60}")
     refused = {"keep": torch.zeros(k, dtype=torch.bool), "exact": ~exact, "close": ~close}[policy.mode]
     inexact = ~exact
     max_diff = float(diff[inexact].max()) if bool(inexact.any()) else 0.0
-    return Verdict(DuplicateCounts(int(exact.sum()), int(inexact.sum()), max_diff), refused, diff)
+    return Verdict(DuplicateCounts(int(exact.sum()), int(inexact.sum()), max_diff), refused, diff, json_diff)
 
 
 def _difference(a: torch.Tensor, b: torch.Tensor, policy: DuplicatePolicy) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,11 +170,11 @@ def _difference(a: torch.Tensor, b: torch.Tensor, policy: DuplicatePolicy) -> tu
     return d.amax(1), close
 
 
-def conflict(name: str, frame: int, diff: float, policy: Any, who: str, where: str = "") -> DuplicateFrameError:
-    """The error for copies of one frame that the policy refuses."""
+def conflict(name: str, frame: int, how: str, policy: Any, who: str, where: str = "") -> DuplicateFrameError:
+    """The error for copies of one frame that the policy refuses; ``how`` says how they differ."""
     return DuplicateFrameError(
-        f"filename {name!r}, frame_idx {frame}: {who} sent values that differ{where} (largest absolute "
-        f"difference {diff:g}), and the duplicates policy is {DuplicatePolicy.of(policy).describe()}. Copies of a "
+        f"filename {name!r}, frame_idx {frame}: {who} sent values that differ{where} ({how}), and the "
+        f"duplicates policy is {DuplicatePolicy.of(policy).describe()}. Copies of a "
         "frame from DistributedSampler padding differ in the last bits when the model ran them in other batches: "
         "use duplicates='keep' (the default) or a wider tolerance; if two different predictions claim the same "
         "frame, check how frames are assigned to ranks"

@@ -166,7 +166,7 @@ def _check_duplicates(names, layout, group, bases, first, later, files, frames, 
     if bool(verdict.refused.any()):
         k = int(verdict.refused.nonzero()[0])
         ra, rb = (group[int(torch.searchsorted(bases, x, right=True)) - 1].rank for x in (first[k], later[k]))
-        raise conflict(names[int(files[k])], int(frames[k]), float(verdict.diff[k]), policy, f"ranks {ra} and {rb}")
+        raise conflict(names[int(files[k])], int(frames[k]), verdict.describe(k), policy, f"ranks {ra} and {rb}")
     return verdict.counts
 
 

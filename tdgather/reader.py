@@ -97,6 +97,14 @@ class Dataset(Mapping[str, Frames]):
         """Frames stored for a filename, without reading data."""
         return self._files[name]["frames"]
 
+    def verify(self) -> None:
+        """Check every shard's header against the index now (`__getitem__` does it lazily, per shard)."""
+        for shard, entry in self.index["shards"].items():
+            if shard not in self._checked:
+                with open_shard(self.path, shard, self._index, f"shards[{shard!r}]") as f:
+                    check_shard(f, Check(self.path / shard), shard, entry["groups"], self._plan, self._index)
+                self._checked.add(shard)
+
     def __getitem__(self, name: str) -> Frames:
         entry = self._files[name]
         layout = self.layout(name)
@@ -118,6 +126,11 @@ class Dataset(Mapping[str, Frames]):
             json_values = [[v for p in pieces for v in p[2][j]] for j in range(len(layout.nontensor))]
             json_values = [[values[r] for r in rows] for values in json_values]
         count = idx.numel()
+        if count > 1 and not bool((idx[1:] > idx[:-1]).all()):  # each frame once, in order: as tdgather writes
+            at = int((idx[1:] <= idx[:-1]).nonzero()[0]) + 1
+            shards = ", ".join(sorted({segment["shard"] for segment in entry["segments"]}))
+            expected = f"strictly increasing indices, each frame once (rows {at - 1} and {at})"
+            raise Check(self.path / shards).fail(f"files{key(name)} frame_idx", expected, idx[at - 1 : at + 1].tolist())
         try:
             value = rebuild(layout, count, tensors, json_values)
         except (KeyError, ValueError, TypeError) as e:  # e.g. a loaded tensorclass whose fields differ

@@ -86,6 +86,13 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
     """
     target = Path(path)
     staging = _staging(target)
+    for p in (target, staging):  # renames and deletions act on links, not on what they point to
+        if p.is_symlink():
+            raise OutputError(
+                f"{str(p)!r} is a symbolic link (to {os.readlink(p)!r}); tdgather writes, swaps and removes "
+                f"directories by renaming them, which a link would break: pass the directory itself "
+                f"({str(p.resolve())!r}) or another path"
+            )
     if target.exists() and not target.is_dir():
         raise OutputError(f"output {str(target)!r}: expected a directory, got a file; choose another path")
     if target.is_dir() and any(target.iterdir()):
@@ -93,9 +100,9 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
         if foreign or not (target / INDEX_NAME).is_file():
             what = f"it holds {_describe(foreign)}" if foreign else f"it has shards but no {INDEX_NAME}"
             raise OutputError(
-                f"output {str(target)!r} is not empty and is not a tdgather dataset ({what}); tdgather never "
-                "replaces or deletes what it did not write, even with overwrite=True: choose another path, or "
-                "move those files away"
+                f"output {str(target)!r} holds files tdgather did not write, or is not a complete tdgather dataset "
+                f"({what}); tdgather never replaces or deletes what it did not write, even with overwrite=True: "
+                "choose another path, or move those files away"
             )
         if not overwrite:
             raise OutputError(
@@ -222,7 +229,8 @@ class DatasetWriter:
         for shard in (s for s in shards if s):
             shard_name = f"shard-{len(self.shards):05d}.safetensors"
             groups, entries, segments = _shard_tensors(shard, shard_name)
-            write_safetensors(self.staging / shard_name, entries, {"format": FORMAT, "groups": json.dumps(groups)})
+            meta = {"format": FORMAT, "shard": shard_name, "groups": json.dumps(groups)}
+            write_safetensors(self.staging / shard_name, entries, meta)
             for (name, layout, idx, _, _), segment in zip(shard, segments, strict=True):
                 entry = self.files.setdefault(name, {"frames": 0, "segments": []})
                 entry["frames"] += segment["frames"]
@@ -272,7 +280,7 @@ class DatasetWriter:
                 k = int(verdict.refused.nonzero()[0])
                 who = f"rank(s) {new_ranks} and the copy from rank(s) {old_ranks}"
                 where = f" (the first copy was written to {segment['shard']} before this one arrived)"
-                raise conflict(name, int(idx[new_pos[k]]), float(verdict.diff[k]), self.policy, who, where)
+                raise conflict(name, int(idx[new_pos[k]]), verdict.describe(k), self.policy, who, where)
             self.duplicates += verdict.counts
         keep = (~again).nonzero().flatten()
         kept_json = [[values[k] for k in keep.tolist()] for values in json_values]

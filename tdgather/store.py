@@ -123,7 +123,10 @@ class FrameStore:
         count = idx.numel()
         names = [filenames] * count if isinstance(filenames, str) else list(filenames)
         if len(names) != count:
-            raise ValueError(f"add(): expected one filename per frame ({count}), got {len(names)} filenames")
+            raise ValueError(
+                f"add(): got {len(names)} filenames and {count} frame indices; expected one filename and one "
+                "frame_idx per frame (and frames with that batch dimension)"
+            )
         layout, tensors, json = flatten(frames, count, "add() frames")
         self._append(names, idx, layout, tensors, json, self.copy)
 
@@ -281,15 +284,18 @@ def _not_a_pair(name: str, got: Any) -> UnsupportedValueError:
     )
 
 
-def _is_index(x: Any) -> bool:
-    """Whether ``x`` is one integer index: an int, a numpy integer, a one-element integer tensor."""
+def _index_value(x: Any) -> int | None:
+    """``x`` as one integer index (an int, a numpy integer, a one-element integer tensor or array), else None."""
     if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
-        return False
+        return None
+    if not isinstance(x, torch.Tensor) and hasattr(x, "__array__") and getattr(x, "size", 0) == 1:
+        x = torch.as_tensor(x).reshape(())  # a one-element numpy array
+        if x.dtype == torch.bool:
+            return None
     try:
-        operator.index(x)
+        return operator.index(x)
     except TypeError:
-        return False
-    return True
+        return None
 
 
 _INDEX_RULE = "integers (int, numpy integers, integer tensors or arrays); floats and bools are refused, not truncated"
@@ -308,15 +314,16 @@ def _as_index(frame_idx: Any, where: str, names: Sequence[str] | None = None) ->
         return frame_idx.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
     if isinstance(frame_idx, str | bytes) or not isinstance(frame_idx, Sequence | Iterable):
         raise UnsupportedValueError(f"{where}: expected a sequence of {_INDEX_RULE}, got {type(frame_idx).__name__}")
-    values = list(frame_idx)
-    for k, i in enumerate(values):
-        if not _is_index(i):
-            owner = f" (filename {names[k]!r})" if names is not None else f" (position {k})"
+    values = []
+    for k, i in enumerate(frame_idx):
+        value = _index_value(i)
+        owner = f" (filename {names[k]!r})" if names is not None else f" (position {k})"
+        if value is None:
             raise UnsupportedValueError(f"{where}{owner}: expected {_INDEX_RULE}, got {type(i).__name__} {i!r:.40}")
-    try:
-        return torch.tensor([operator.index(i) for i in values], dtype=torch.int64)
-    except (OverflowError, RuntimeError) as e:
-        raise UnsupportedValueError(f"{where}: expected indices that fit in int64 ({e})") from e
+        if not -(2**63) <= value < 2**63:
+            raise UnsupportedValueError(f"{where}{owner}: expected an index that fits in int64, got {value}")
+        values.append(value)
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def _check_filename(name: Any) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .duplicates import DuplicateCounts, DuplicatePolicy
-from .errors import CallMismatchError, FrameConflictError, PeerLostError, ProtocolError
+from .errors import FrameConflictError, PeerLostError, ProtocolError
 from .merge import merge
 from .sink import DatasetWriter
 from .store import FrameStore
@@ -115,11 +115,7 @@ class Sender(_Side):
         self.heartbeat = heartbeat_interval(self.timeout)
         self.frames = 0
         self.pending_peak = 0
-        try:
-            ready = self.ch.recv_answer()  # 1. rank dst says whether the output can be written
-        except CallMismatchError as e:  # dst is in another call: tell it (it names this rank), then raise
-            self.ch.wait(self.ch.send(Kind.ERROR, error_header(e)), "the error message")
-            raise
+        ready = self.ch.recv_answer()  # 1. rank dst says whether the output can be written
         if ready.kind == Kind.ERROR:
             raise peer_error(col.dst, ready.header)
         self.answer = None
@@ -237,7 +233,17 @@ class Destination(_Side):
         except BaseException as e:
             self.answers.answer_all(Kind.ERROR, error_header(e))
             raise
-        self.answers.send_all(Kind.DONE, {"frames": 0})  # 1. ready
+        late = self.answers.send_all(Kind.DONE, {"frames": 0})  # 1. ready
+        if late:  # its pair timed out, and gloo closes them all: name it, rather than let the others blame us
+            error = PeerLostError(
+                min(late),
+                "PeerLost",
+                f"it did not open its Collector within {col.timeout.total_seconds():g} s of rank {rank}: every rank "
+                "must enter `with Collector(...)` within the timeout of the others (open it before the loop, not "
+                "after a long step), or pass a larger timeout=; or it failed, or is in another call",
+            )
+            self.answers.answer_all(Kind.ERROR, error_header(error))
+            raise error
         self.answers.start()
         enabled = col.progress if col.progress is not None else sys.stderr.isatty()
         self.bar = tqdm(desc="tdgather", unit=" frames", disable=not enabled, dynamic_ncols=True, file=sys.stderr)
@@ -358,7 +364,7 @@ class Destination(_Side):
         self.bar.close()
         self.check()
         dups = self.all_duplicates
-        self.writer.commit({"duplicates_dropped": dups.dropped, "duplicates": dups.to_json()})
+        self.writer.commit({**self.col.metadata, "duplicates_dropped": dups.dropped, "duplicates": dups.to_json()})
         self.answers.answer_all(Kind.DONE, {"frames": self.writer.frames})
         self.answers.stop()
         end = time.perf_counter()

@@ -19,6 +19,7 @@ long as rank dst is alive: the timeout bounds silence, not work.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import CallMismatchError, PeerError, PeerLostError, ProtocolError
+from .errors import CallMismatchError, PeerError, PeerLostError, ProtocolError, TdgatherError
 from .wire import PRELUDE_LEN, Kind, Limits, Prelude, check_call, decode_header, decode_json, encode_json
 
 __all__ = [
@@ -57,10 +58,13 @@ def as_timeout(timeout: float | timedelta | None) -> timedelta:
     """Normalise a timeout given in seconds or as a timedelta (None: the default)."""
     if timeout is None:
         return DEFAULT_TIMEOUT
-    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    if value.total_seconds() <= 0:
-        raise ValueError(f"timeout: expected a positive number of seconds, got {timeout!r}")
-    return value
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not 0 < seconds < 10**8:  # gloo needs a finite wait; heartbeats make a long one unnecessary
+        raise ValueError(
+            f"timeout: expected a positive, finite number of seconds (it bounds silence, not work: busy ranks "
+            f"send heartbeats), got {timeout!r}"
+        )
+    return timedelta(seconds=seconds)
 
 
 def needs_side_group(backend: str) -> bool:
@@ -101,10 +105,11 @@ class Call:
     dst: int
     digest: int
     timeout: timedelta
+    label: str = ""  # for messages: "gather" or "Collector 'path'"
 
     def channel(self, peer: int) -> Channel:
         """The stream with ``peer`` for this call."""
-        return Channel(self.group, peer, self.timeout, call=(self.number, self.dst, self.digest))
+        return Channel(self.group, peer, self.timeout, call=(self.number, self.dst, self.digest), label=self.label)
 
     def end(self) -> None:
         """Release the group for the next call (idempotent)."""
@@ -132,7 +137,8 @@ def begin_call(group: Any, kind: str, dst: int, timeout: timedelta, path: str | 
         _CALLS[key] = number
         _OPEN[key] = number
     name = f"{kind}\0{path or ''}".encode("utf-8", "surrogatepass")
-    return Call(group, number, dst, int.from_bytes(hashlib.sha256(name).digest()[:7], "big"), timeout)
+    label = f"{kind} {path!r}" if path is not None else kind
+    return Call(group, number, dst, int.from_bytes(hashlib.sha256(name).digest()[:7], "big"), timeout, label)
 
 
 class Message:
@@ -164,11 +170,13 @@ class Channel:
         timeout: timedelta,
         limits: Limits | None = None,
         call: tuple[int, int, int] = (0, 0, 0),
+        label: str = "",
     ) -> None:
         self.group, self.peer, self.timeout = group, peer, timeout
         self.limits = limits or Limits()
         self.rank = dist.get_rank(group)
         self.call = call  # (call number, dst, digest of kind and path): in every prelude, checked on receipt
+        self.label = label
         self._seq_out = 0
         self._seq_in = 0
         self._send_lock = threading.Lock()  # sends come from several threads; each message is posted whole
@@ -217,7 +225,7 @@ class Channel:
             payload = torch.empty(prelude.payload_len, dtype=torch.uint8)
             self._recv_into(payload, f"the payload of message {seq}")
         self._seq_in += 1
-        check_call(prelude, self.call)  # after reading it whole: the stream stays in step
+        check_call(prelude, self.call, self.label)  # after reading it whole: the stream stays in step
         return Message(prelude, header, payload)
 
     def _recv_into(self, tensor: torch.Tensor, what: str, timeout: timedelta | None = None) -> None:
@@ -234,7 +242,12 @@ class Channel:
         waits as long as rank dst is alive, and fails within the timeout once it falls silent.
         """
         while True:
-            msg = self.recv()
+            try:
+                msg = self.recv()
+            except CallMismatchError as e:  # tell the peer (it refuses this as another call's, naming us)
+                with contextlib.suppress(TdgatherError):
+                    self.wait(self.send(Kind.ERROR, {"type": type(e).__name__, "message": str(e)}), "the error")
+                raise
             if msg.kind != Kind.DATA:
                 return msg
             if msg.header.parts:
@@ -252,8 +265,9 @@ class Channel:
             cause = (
                 f"no progress for {timeout.total_seconds():g} s on {what}; a timed-out gloo pair cannot be reused, "
                 "so the rank is treated as lost. If it is only slow, pass a larger timeout=; if it never sent "
-                "anything, it may have skipped this call or called it with another dst (every rank must make "
-                "the same tdgather calls, with the same dst)"
+                "anything, it may not have entered this call yet, skipped it, or called it with another dst "
+                "(every rank must make the same tdgather calls, with the same dst, and enter each within the "
+                "timeout of the others)"
             )
         else:
             cause = (
@@ -289,11 +303,19 @@ class Answers:
         self._thread.start()
         return self
 
-    def send_all(self, kind: Kind, header: dict) -> None:
-        """A message to every peer still waiting, without ending its wait (``ready``)."""
+    def send_all(self, kind: Kind, header: dict) -> set[int]:
+        """A message to every peer still waiting, without ending its wait (``ready``); return the peers lost."""
+        lost = set()
         for peer, ch in self.channels.items():
-            if peer not in self.lost:
+            if peer in self.lost:
+                continue
+            try:
                 self._wait(peer, ch, ch.send(kind, header))
+            except PeerLostError:  # posting fails once gloo closed the pairs (after another peer's timeout)
+                self.lost.add(peer)
+            if peer in self.lost:
+                lost.add(peer)
+        return lost
 
     def answer_all(self, kind: Kind, header: dict | Callable[[int], dict]) -> None:
         """The final answer (one header, or one per peer) to every peer not yet answered nor lost; never raises."""

@@ -129,8 +129,11 @@ class Prelude:
         return Prelude(Kind(kind), got_seq, header_len, payload_len, got_src, *got_call)
 
 
-def check_call(prelude: Prelude, call: tuple[int, int, int]) -> None:
-    """Refuse a message of another call: ``call`` is this rank's (number, dst, digest of kind and path)."""
+def check_call(prelude: Prelude, call: tuple[int, int, int], label: str = "") -> None:
+    """Refuse a message of another call: ``call`` is this rank's (number, dst, digest of kind and path).
+
+    ``label`` describes this rank's call for the message (a peer's path is known only by its digest).
+    """
     got = (prelude.call, prelude.dst, prelude.digest)
     if got == tuple(call):
         return
@@ -138,7 +141,8 @@ def check_call(prelude: Prelude, call: tuple[int, int, int]) -> None:
     differ = [w for w, a, b in zip(fields, got, call, strict=True) if a != b]
     raise CallMismatchError(
         f"rank {prelude.src} is in another tdgather call than this rank: its {' and '.join(differ)} differ "
-        f"(rank {prelude.src}: call {got[0]}, dst {got[1]}; this rank: call {call[0]}, dst {call[1]}). A rank "
+        f"(rank {prelude.src}: call {got[0]}, dst {got[1]}; this rank: call {call[0]}, dst {call[1]}"
+        f"{', ' + label if label else ''}). A rank "
         "skipped a gather()/Collector or made an extra one, or called it with another dst or path; every rank of "
         "the group must make the same tdgather calls in the same order, even a rank with no frames, and pass a "
         "Collector the same path string (only rank dst writes there, but the path names the call on every rank: "

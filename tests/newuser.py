@@ -242,3 +242,16 @@ def case_overwrite_user_directory(out: str) -> dict:
     except tdgather.TdgatherError as e:
         return _error(e)
     return {"type": None}
+
+
+def case_late_open(out: str, late: float, timeout: float) -> dict:
+    """Rank 1 opens its Collector ``late`` seconds after the others (a long step before the block)."""
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(late)
+    try:
+        with tdgather.Collector(out, timeout=timeout, progress=False) as col:
+            col.update({f"r{rank}": (0, torch.ones(1))})
+    except tdgather.TdgatherError as e:
+        return _error(e)
+    return {"type": None}

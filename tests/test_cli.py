@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import tdgather
@@ -53,3 +54,25 @@ def test_inspect_what_a_failed_run_saved(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "total: 1 filenames, 1 frames, 16 B in 1 shard(s)" in text
     assert "incomplete: saved before PeerLostError (rank 2)" in text and "no progress for 60 s" in text
+
+
+def test_demo_replaces_only_its_own_output(tmp_path, capsys):
+    mine = tdgather.save(tdgather.gather({"mine.mp4": (0, torch.ones(2))}), tmp_path / "mine")
+    assert main(["demo", "--out", str(mine), "--world-size", "2", "--videos", "1"]) == 1
+    assert "holds a tdgather dataset that the demo did not write" in capsys.readouterr().err
+    assert list(tdgather.open(mine)) == ["mine.mp4"]
+
+
+@pytest.mark.parametrize("arg", ["--world-size", "--batch", "--size", "--max-frames", "--videos"])
+def test_demo_refuses_non_positive_sizes(arg, capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", arg, "0"])
+    assert "expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_inspect_checks_every_shard(tmp_path, capsys):
+    out = tdgather.save(tdgather.gather({"a": [(j, torch.ones(4)) for j in range(3)]}), tmp_path / "ds")
+    shard = out / "shard-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-5])  # truncated
+    assert main(["inspect", str(out)]) == 1
+    assert "shard-00000.safetensors" in capsys.readouterr().err

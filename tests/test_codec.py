@@ -111,7 +111,7 @@ def test_store_rejects_bad_input_with_clear_messages():
         store.update({"p": [(0, torch.zeros(1)), 5]})
     with pytest.raises(UnsupportedValueError, match=r"filename 'p': expected \(frame_idx, value\).*got Tensor"):
         store.update({"p": torch.zeros(2, 3)})
-    with pytest.raises(ValueError, match=r"expected one filename per frame \(2\), got 3"):
+    with pytest.raises(ValueError, match=r"got 3 filenames and 2 frame indices"):
         store.add(["a", "b", "c"], [0, 1], torch.zeros(2, 1))
     with pytest.raises(ValueError, match="leading batch dimension of 3"):
         store.add(["a", "b", "c"], [0, 1, 2], torch.zeros(2, 1))
@@ -163,11 +163,12 @@ def test_frame_idx_accepts_every_integer_form_and_refuses_the_rest():
     store.add(["a"] * 3, np.array([0, 1, 2], dtype=np.int32), torch.zeros(3, 1))
     store.add(("a", "a"), [np.int64(3), torch.tensor(4)], torch.zeros(2, 1))
     store.add(["a"], [torch.tensor([5])], torch.zeros(1, 1))
+    store.add(["a"], [np.array([8])], torch.zeros(1, 1))  # a one-element array, as an index
     store.update(
         {"a": [(np.int16(6), torch.zeros(1)), (torch.tensor(7), torch.zeros(1))], "b": (np.uint8(0), torch.ones(1))}
     )
     merged = merge(roundtrip(store)[0]).files
-    assert merged["a"].frame_idx.tolist() == list(range(8)) and merged["b"].frame_idx.tolist() == [0]
+    assert merged["a"].frame_idx.tolist() == list(range(9)) and merged["b"].frame_idx.tolist() == [0]
     for bad, shown in [
         (29.97, "float 29.97"),
         (3.0, "float 3.0"),
@@ -186,7 +187,18 @@ def test_frame_idx_accepts_every_integer_form_and_refuses_the_rest():
         store.add(["x"], torch.tensor([1.0]), torch.zeros(1, 1))
     with pytest.raises(UnsupportedValueError, match=r"got a tensor of dtype torch.bool"):
         store.add(["x"], np.array([True]), torch.zeros(1, 1))
-    assert len(store) == 9  # nothing half-added
+    with pytest.raises(
+        UnsupportedValueError,
+        match=r"position 0\): expected an index that fits in int64, got 2\*\*64|"
+        r"fits in int64, got 18446744073709551616",
+    ):
+        store.add(["x"], [2**64], torch.zeros(1, 1))
+    with pytest.raises(ValueError, match=r"add\(\): got 3 filenames and 2 frame indices"):
+        store.add(["x"] * 3, [1, 2], torch.zeros(2, 1))
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="timeout: expected a positive, finite number of seconds"):
+            tdgather.gather({}, timeout=bad)
+    assert len(store) == 10  # nothing half-added
 
 
 def test_empty_batches_of_any_shape_are_accepted():

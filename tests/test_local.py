@@ -41,3 +41,9 @@ def test_launcher_reports_rank_failures():
     with pytest.raises(WorldError, match=r"ranks \[1\][\s\S]*KeyError: 'boom'") as info:
         run_local_world(failing_rank, 2, timeout=60)
     assert info.value.results == [None, None] and list(info.value.failures) == [1]
+
+
+@pytest.mark.parametrize("kw", [{"memory_budget": 0}, {"memory_budget": -5}, {"max_pending": 0}, {"chunk_bytes": 0}])
+def test_collector_settings_are_checked(kw, tmp_path):
+    with pytest.raises(ValueError, match=rf"{next(iter(kw))}: expected"):
+        tdgather.Collector(tmp_path / "ds", **kw)

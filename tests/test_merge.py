@@ -1,6 +1,7 @@
 """Merge across ranks, pure: parts built by packing one store per simulated rank."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -131,7 +132,7 @@ def test_json_leaves_compare_by_type_and_value():
     for a, b in [(True, 1), (1, 1.0), (0.0, -0.0), ("x", "y"), (None, 0)]:
         parts, _ = parts_of({"j": [(0, {"t": torch.ones(1), "v": a})]}, {"j": [(0, {"t": torch.ones(1), "v": b})]})
         assert merge(parts).duplicates.inexact == 1, (a, b)
-        with pytest.raises(DuplicateFrameError):
+        with pytest.raises(DuplicateFrameError, match=re.escape(f"(JSON key 'v': {b!r} against {a!r})")):
             merge(parts, "exact")
     parts, _ = parts_of({"j": [(0, {"t": torch.ones(1), "v": 1.5})]}, {"j": [(0, {"t": torch.ones(1), "v": 1.5})]})
     assert merge(parts, "exact").duplicates.exact == 1

@@ -146,8 +146,17 @@ def test_collector_overwrite_onto_a_user_directory_is_refused_on_every_rank(tmp_
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
     r = run_local_world(newuser.case_overwrite_user_directory, 3, str(mine), timeout=120)
-    assert r[0]["type"] == "OutputError" and "is not a tdgather dataset (it holds 'notes.txt')" in r[0]["message"]
+    assert (
+        r[0]["type"] == "OutputError" and "is not a complete tdgather dataset (it holds 'notes.txt')" in r[0]["message"]
+    )
     for x in r[1:]:
-        assert x["type"] == "PeerError" and x["rank"] == 0 and "not a tdgather dataset" in x["message"]
+        assert x["type"] == "PeerError" and x["rank"] == 0 and "not a complete tdgather dataset" in x["message"]
     assert os.listdir(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
     assert sorted(os.listdir(tmp_path)) == ["mine"]
+
+
+def test_a_rank_late_to_open_the_collector_is_the_one_named(tmp_path):
+    r = run_local_world(newuser.case_late_open, 3, str(tmp_path / "ds"), 4.0, 1.0, timeout=120)
+    assert r[0]["type"] == "PeerLostError" and r[0]["rank"] == 1, r[0]
+    assert "did not open its Collector within 1 s of rank 0" in r[0]["message"]
+    assert all(x["type"] is not None for x in r)  # nobody goes on as if nothing happened

@@ -860,3 +860,35 @@ def test_fuzz_base_dataset_reads(base):
     got = read_all(base)
     assert got["a"].frame_idx.tolist() == [0, 1, 2, 4, 7] and math.isclose(float(got[""].frames.sum()), 2.0)
     assert got["nested.mp4"].frames["meta", "ok"] == [True, False, True]
+
+
+def test_swapped_shard_files_are_refused(tmp_path):
+    w = DatasetWriter(tmp_path / "ds", max_shard_bytes=1)  # one filename per shard, same layout
+    w.write(
+        tdgather.gather(
+            {
+                "v0.mp4": [(j, torch.full((2,), 0.0)) for j in range(5)],
+                "v1.mp4": [(j, torch.full((2,), 1.0)) for j in range(5)],
+            }
+        )
+    )
+    out = w.commit()
+    a, b = out / "shard-00000.safetensors", out / "shard-00001.safetensors"
+    a.rename(out / "tmp")
+    b.rename(a)
+    (out / "tmp").rename(b)
+    with pytest.raises(DatasetError, match=r"__metadata__.shard: expected 'shard-00000.safetensors' \(its own name"):
+        tdgather.open(out)["v0.mp4"]
+
+
+def test_repeated_or_unordered_frame_idx_in_a_shard_is_refused(tmp_path):
+    out = save(tmp_path, frames(n=4))
+    tensors = load_file(out / SHARD)
+    tensors["g0.frame_idx"][1] = tensors["g0.frame_idx"][0]
+    save_file(tensors, out / SHARD, metadata=safe_open(out / SHARD, "pt").metadata())
+    with pytest.raises(
+        DatasetError,
+        match=r"files\['a'\] frame_idx: expected strictly increasing indices, each frame "
+        r"once \(rows 0 and 1\), got \[0, 0\]",
+    ):
+        tdgather.open(out)["a"]

@@ -37,7 +37,7 @@ def test_every_python_block_runs_as_written_on_two_ranks(tmp_path):
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)], tmp_path
         )
     assert (tmp_path / "out" / "quickstart" / "tdgather.index.json").is_file()
-    assert sorted(os.listdir(tmp_path / "out" / "predict")) == ["node-000"]
+    assert sorted(os.listdir(tmp_path / "out" / "per_node")) == ["node-000"]
 
 
 def test_the_quick_start_runs_without_a_process_group(tmp_path):

@@ -112,7 +112,7 @@ def test_overwrite_never_deletes_a_directory_that_is_not_a_tdgather_dataset(tmp_
     target = _user_dir(tmp_path / "mine")
     with pytest.raises(
         OutputError,
-        match=r"is not empty and is not a tdgather dataset \(it holds 'model.safe"
+        match=r"holds files tdgather did not write, or is not a complete tdgather dataset \(it holds 'model.safe"
         r"tensors', 'notes.txt'\); tdgather never replaces or deletes what it did not write",
     ):
         tdgather.save(result, target, overwrite=overwrite)
@@ -131,6 +131,26 @@ def test_overwrite_never_deletes_a_directory_that_is_not_a_tdgather_dataset(tmp_
     with pytest.raises(OutputError, match="it has shards but no tdgather.index.json"):
         tdgather.save(result, bare, overwrite=overwrite)
     assert (bare / "shard-00000.safetensors").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("dangling", [False, True])
+def test_an_output_path_that_is_a_symlink_is_refused_and_nothing_is_deleted(tmp_path, dangling):
+    result = tdgather.gather({"a": (0, torch.ones(1))})
+    run1 = tdgather.save(result, tmp_path / "store" / "run1")
+    before = sorted(os.listdir(run1))
+    latest = tmp_path / "latest"
+    latest.symlink_to(tmp_path / "store" / ("missing" if dangling else "run1"))
+    for overwrite in (True, True, False):  # twice: the first refusal must leave nothing that breaks the second
+        with pytest.raises(OutputError, match=r"latest' is a symbolic link .*pass the directory itself"):
+            tdgather.save(result, latest, overwrite=overwrite)
+        with pytest.raises(OutputError, match="is a symbolic link"):
+            tdgather.Collector(latest, overwrite=overwrite).open()
+    assert latest.is_symlink() and sorted(os.listdir(run1)) == before
+    assert sorted(os.listdir(tmp_path)) == ["latest", "store"]
+    (tmp_path / "other.partial").symlink_to(run1)
+    with pytest.raises(OutputError, match=r"other.partial' is a symbolic link"):
+        tdgather.save(result, tmp_path / "other", overwrite=True)
+    assert sorted(os.listdir(run1)) == before
 
 
 def test_a_user_directory_named_like_the_staging_directory_is_never_deleted(tmp_path):
