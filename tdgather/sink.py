@@ -18,16 +18,14 @@ rows. A one-shot `save` gives each filename one segment; a streaming
 
 Writes go to a staging directory ``<name>.partial`` beside the target. Every
 file is written to a temporary name, fsynced, renamed, and the directory
-fsynced; the index comes last; then the staging directory is renamed into place.
+fsynced; the index comes last; then the staging directory is moved into place.
+What may be replaced, and how, is `tdgather._output`'s (the output directory's rules).
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import json
 import os
-import re
 import struct
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 
 from ._dtypes import SAFETENSORS_CODE
+from ._output import INCOMPLETE_NAME, INDEX_NAME, check_output, fsync_dir, publish, remove_ours, staging_of
 from .duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
 from .errors import OutputError, ShapeMismatchError
 from .frames import Frames, Layout, flatten
@@ -52,106 +51,7 @@ __all__ = [
 ]
 
 FORMAT = "tdgather"
-INDEX_NAME = "tdgather.index.json"
-INCOMPLETE_NAME = "tdgather.incomplete.json"  # what a failed run saved, in <name>.partial
 DEFAULT_SHARD_BYTES = 1 << 30
-
-
-_OURS = re.compile(
-    r"(shard-\d{5,}\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + r")"
-    r"|\.(shard-\d{5,}\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + r")\.tmp-\d+"
-)
-
-
-def _foreign(directory: Path) -> list[str]:
-    """Entries of ``directory`` that tdgather did not write (sorted); [] unless it is a directory."""
-    if not directory.is_dir():
-        return []
-    names = os.listdir(directory)
-    return sorted(n for n in names if not (_OURS.fullmatch(n) and (directory / n).is_file()))
-
-
-def _describe(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:5])
-    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-
-
-def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
-    """Refuse an output directory that cannot be used, before any work; return it.
-
-    The target must be absent, an empty directory, or (with ``overwrite=True``) a complete
-    tdgather dataset. ``<name>.partial`` must be absent, or (with ``overwrite=True``) hold only
-    what a tdgather run left there. Anything else is refused even with ``overwrite=True``:
-    tdgather never deletes a file it did not write. The parent must be creatable and writable.
-    """
-    target = Path(path)
-    staging = _staging(target)
-    for p in (target, staging):  # renames and deletions act on links, not on what they point to
-        if p.is_symlink():
-            raise OutputError(
-                f"{str(p)!r} is a symbolic link (to {os.readlink(p)!r}); tdgather writes, swaps and removes "
-                f"directories by renaming them, which a link would break: pass the directory itself "
-                f"({str(p.resolve())!r}) or another path"
-            )
-    if target.exists() and not target.is_dir():
-        raise OutputError(f"output {str(target)!r}: expected a directory, got a file; choose another path")
-    if target.is_dir() and any(target.iterdir()):
-        foreign = _foreign(target)
-        if foreign or not (target / INDEX_NAME).is_file():
-            what = f"it holds {_describe(foreign)}" if foreign else f"it has shards but no {INDEX_NAME}"
-            raise OutputError(
-                f"output {str(target)!r} holds files tdgather did not write, or is not a complete tdgather dataset "
-                f"({what}); tdgather never replaces or deletes what it did not write, even with overwrite=True: "
-                "choose another path, or move those files away"
-            )
-        if not overwrite:
-            raise OutputError(
-                f"output {str(target)!r} already holds a tdgather dataset; pass overwrite=True to replace it "
-                "atomically (once the new one is complete), or choose another path"
-            )
-    foreign = _foreign(staging)
-    if staging.exists() and (foreign or not staging.is_dir()):
-        raise OutputError(
-            f"{str(staging)!r} is where tdgather stages {str(target)!r}, but it holds "
-            f"{_describe(foreign) if staging.is_dir() else 'a file'}, which tdgather did not write; move it away "
-            "(tdgather never deletes what it did not write, even with overwrite=True)"
-        )
-    if (staging / INDEX_NAME).exists() and not overwrite:
-        raise OutputError(
-            f"{str(staging)!r} holds a complete dataset whose move into place was interrupted (or the old one of "
-            "an interrupted overwrite); tdgather.open() reads it there: keep it, remove it, or pass "
-            "overwrite=True to replace it"
-        )
-    if staging.exists() and not overwrite:
-        raise OutputError(
-            f"{str(staging)!r} holds shards left by an interrupted run (no index, so incomplete); read what it "
-            "saved with tdgather.open(path, incomplete=True) if needed, then remove it, or pass overwrite=True "
-            "to replace it"
-        )
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"output {str(target)!r}: cannot create its parent directory ({e}); fix the path") from e
-    if not os.access(target.parent, os.W_OK | os.X_OK):
-        raise OutputError(f"output {str(target)!r}: its parent directory is not writable; choose a writable path")
-    return target
-
-
-def _remove_ours(directory: Path) -> None:
-    """Delete the files tdgather wrote in ``directory``, then the directory if that left it empty.
-
-    Never a tree: a file someone else put there meanwhile stays, and so does the directory.
-    """
-    if not directory.is_dir():
-        return
-    names = sorted(os.listdir(directory), key=lambda n: n != INDEX_NAME)  # the index first: never a
-    for name in names:  # "complete" dataset with shards missing, should this be interrupted
-        if _OURS.fullmatch(name) and (directory / name).is_file():
-            (directory / name).unlink(missing_ok=True)
-    try:
-        directory.rmdir()
-    except OSError:
-        pass  # not empty: something that is not ours appeared; it is left where it is
 
 
 class DatasetWriter:
@@ -179,10 +79,10 @@ class DatasetWriter:
     ) -> None:
         self.policy = DuplicatePolicy.of(duplicates)
         self.target = check_output(path, overwrite)
-        self.staging = _staging(self.target)
+        self.staging = staging_of(self.target)
         self.overwrite = overwrite
         self.max_shard_bytes = max_shard_bytes
-        _remove_ours(self.staging)  # check_output allowed only tdgather's own files there
+        remove_ours(self.staging)  # check_output allowed only tdgather's own files there
         self.staging.mkdir()
         self.files: dict[str, dict] = {}
         self.shards: dict[str, dict] = {}
@@ -289,7 +189,7 @@ class DatasetWriter:
     def commit(self, metadata: Mapping[str, Any] | None = None) -> Path:
         """Write the index (last), then move the dataset into place; return its path."""
         _write_atomic(self.staging / INDEX_NAME, [self._index(metadata)])
-        _publish(self.staging, self.target, self.overwrite)
+        publish(self.staging, self.target, self.overwrite)
         return self.target
 
     def abort(self, failure: BaseException | None = None, metadata: Mapping[str, Any] | None = None) -> Path:
@@ -353,7 +253,7 @@ def save(
         return writer.commit(metadata)
     except BaseException:
         if not (writer.staging / INDEX_NAME).exists():  # the caller still holds the frames: leave nothing
-            _remove_ours(writer.staging)
+            remove_ours(writer.staging)
         raise
 
 
@@ -460,60 +360,4 @@ def _write_atomic(path: Path, chunks: Any) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _staging(target: Path) -> Path:
-    return target.with_name(target.name + ".partial")
-
-
-def _publish(staging: Path, target: Path, overwrite: bool) -> None:
-    """Move a complete staging directory into place.
-
-    An old dataset is exchanged with the new one in one atomic step (Linux ``renameat2``), so a
-    crash leaves the old dataset or the new one at ``target``, never neither; the old one, then
-    at ``<name>.partial`` with its index, is removed. Elsewhere it is renamed aside first.
-    """
-    if target.exists() and any(target.iterdir()):
-        if not overwrite:
-            raise OutputError(f"output {str(target)!r} appeared while writing; pass overwrite=True to replace it")
-        if _foreign(target):  # appeared since check_output: keep the old dataset, and say so
-            raise OutputError(
-                f"output {str(target)!r} gained files tdgather did not write ({_describe(_foreign(target))}) "
-                f"while the new dataset was written; the new one is complete in {str(staging)!r}"
-            )
-        if _exchange(staging, target):
-            _fsync_dir(target.parent)
-            _remove_ours(staging)
-            return
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.rename(target, old)
-        os.replace(staging, target)
-        _fsync_dir(target.parent)
-        _remove_ours(old)
-        return
-    os.replace(staging, target)
-    _fsync_dir(target.parent)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically with ``renameat2(RENAME_EXCHANGE)``; False where that is unsupported."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
+    fsync_dir(path.parent)

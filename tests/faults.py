@@ -374,7 +374,7 @@ def case_write_and_die(target: str, event: str, count: int) -> dict:
     Events: ``write`` (after a chunk of a file is written), ``fsync`` (before an fsync of a file or
     directory), ``replace`` (after a rename into place), ``exchange`` (after the atomic swap).
     """
-    from tdgather import sink
+    from tdgather import _output, sink
 
     seen = {"n": 0}
 
@@ -384,7 +384,7 @@ def case_write_and_die(target: str, event: str, count: int) -> dict:
             if seen["n"] == count:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    real_fsync, real_replace, real_exchange, real_write = os.fsync, os.replace, sink._exchange, sink._write_atomic
+    real_fsync, real_replace, real_exchange, real_write = os.fsync, os.replace, _output._exchange, sink._write_atomic
 
     def fsync(fd):
         tick("fsync")
@@ -407,7 +407,7 @@ def case_write_and_die(target: str, event: str, count: int) -> dict:
 
         real_write(path, counted())
 
-    os.fsync, os.replace, sink._exchange, sink._write_atomic = fsync, replace, exchange, write_atomic
+    os.fsync, os.replace, _output._exchange, sink._write_atomic = fsync, replace, exchange, write_atomic
     try:
         sink.save(tdgather.gather(dataset("new")), target, overwrite=True, max_shard_bytes=12_000)
     finally:
