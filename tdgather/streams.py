@@ -19,6 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ._output import remove_ours
 from .duplicates import DuplicateCounts, DuplicatePolicy
 from .errors import FrameConflictError, PeerLostError, ProtocolError
 from .merge import merge
@@ -243,6 +244,7 @@ class Destination(_Side):
                 "after a long step), or pass a larger timeout=; or it failed, or is in another call",
             )
             self.answers.answer_all(Kind.ERROR, error_header(error))
+            remove_ours(self.writer.staging)  # nothing was received: leave nothing that blocks a rerun
             raise error
         self.answers.start()
         enabled = col.progress if col.progress is not None else sys.stderr.isatty()

@@ -160,3 +160,4 @@ def test_a_rank_late_to_open_the_collector_is_the_one_named(tmp_path):
     assert r[0]["type"] == "PeerLostError" and r[0]["rank"] == 1, r[0]
     assert "did not open its Collector within 1 s of rank 0" in r[0]["message"]
     assert all(x["type"] is not None for x in r)  # nobody goes on as if nothing happened
+    assert os.listdir(tmp_path) == []  # no .partial left to block the rerun
