@@ -1,5 +1,6 @@
 """The reader trusts nothing on disk: a malformed index or shard is a DatasetError, never a read elsewhere."""
 
+import contextlib
 import copy
 import json
 import math
@@ -786,10 +787,19 @@ def _read_consistently(out):
     assert opens.inside(out), opens.paths
 
 
+@contextlib.contextmanager
 def _copy(base):
+    """A fresh copy of the base dataset to damage, with a valid shard just outside it; removed after."""
     work = Path(tempfile.mkdtemp(prefix="tdg-fuzz-"))
-    shutil.copy(next(base.glob("shard-*")), work / "outside.safetensors")  # valid, and outside
-    return work, Path(shutil.copytree(base, work / "ds"))
+    try:
+        shutil.copy(next(base.glob("shard-*")), work / "outside.safetensors")  # valid, and outside
+        yield Path(shutil.copytree(base, work / "ds"))
+    finally:
+        shutil.rmtree(work)
+
+
+def _a_shard(data, out):
+    return out / data.draw(st.sampled_from(sorted(p.name for p in out.glob("shard-*"))))
 
 
 _FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -798,8 +808,7 @@ _FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthC
 @_FUZZ
 @given(st.data())
 def test_fuzz_a_mutated_index(base, data):
-    work, out = _copy(base)
-    try:
+    with _copy(base) as out:
         index = load_index(out)
         for _ in range(data.draw(st.integers(1, 3))):
             index = _mutate(data, index)
@@ -811,16 +820,13 @@ def test_fuzz_a_mutated_index(base, data):
             )
         (out / INDEX_NAME).write_bytes(text.encode("utf-8", "surrogatepass"))
         _read_consistently(out)
-    finally:
-        shutil.rmtree(work)
 
 
 @_FUZZ
 @given(st.data())
 def test_fuzz_a_mutated_shard_header(base, data):
-    work, out = _copy(base)
-    try:
-        shard = out / data.draw(st.sampled_from(sorted(p.name for p in out.glob("shard-*"))))
+    with _copy(base) as out:
+        shard = _a_shard(data, out)
         head, rest = header(shard)
         for _ in range(data.draw(st.integers(1, 3))):
             meta = head.get("__metadata__") if isinstance(head, dict) else None
@@ -833,16 +839,13 @@ def test_fuzz_a_mutated_shard_header(base, data):
                 head = _mutate(data, head)
         write_header(shard, head, rest)
         _read_consistently(out)
-    finally:
-        shutil.rmtree(work)
 
 
 @_FUZZ
 @given(st.data())
 def test_fuzz_damaged_shard_bytes(base, data):
-    work, out = _copy(base)
-    try:
-        shard = out / data.draw(st.sampled_from(sorted(p.name for p in out.glob("shard-*"))))
+    with _copy(base) as out:
+        shard = _a_shard(data, out)
         raw = bytearray(shard.read_bytes())
         data_start = 8 + struct.unpack("<Q", raw[:8])[0]
         for _ in range(data.draw(st.integers(1, 4))):
@@ -852,8 +855,6 @@ def test_fuzz_damaged_shard_bytes(base, data):
             raw = raw[: data.draw(st.integers(0, len(raw)))]
         shard.write_bytes(bytes(raw))
         _read_consistently(out)
-    finally:
-        shutil.rmtree(work)
 
 
 def test_fuzz_base_dataset_reads(base):
