@@ -137,9 +137,10 @@ def publish(staging: Path, target: Path, overwrite: bool) -> None:
     if target.exists() and any(target.iterdir()):
         if not overwrite:
             raise OutputError(f"output {str(target)!r} appeared while writing; pass overwrite=True to replace it")
-        if _foreign(target):  # appeared since check_output: keep the old dataset, and say so
+        foreign = _foreign(target)
+        if foreign:  # appeared since check_output: keep the old dataset, and say so
             raise OutputError(
-                f"output {str(target)!r} gained files tdgather did not write ({_describe(_foreign(target))}) "
+                f"output {str(target)!r} gained files tdgather did not write ({_describe(foreign)}) "
                 f"while the new dataset was written; the new one is complete in {str(staging)!r}"
             )
         if _exchange(staging, target):

@@ -116,7 +116,8 @@ def gather(
         if rank != dst:
             _send(predictions, call.channel(dst))
             return None
-        return _receive(predictions, rank, {p: call.channel(p) for p in range(world) if p != rank}, start, policy)
+        channels = {p: call.channel(p) for p in range(world) if p != rank}
+        return _receive(predictions, rank, channels, start, policy, heartbeat_interval(wait))
     finally:
         call.end()
 
@@ -167,10 +168,12 @@ def _receive_stream(ch: Channel, parts: list[Part]) -> None:
             return
 
 
-def _receive(predictions: Any, rank: int, channels: dict[int, Channel], start: float, policy: Any) -> Gathered:
+def _receive(
+    predictions: Any, rank: int, channels: dict[int, Channel], start: float, policy: Any, heartbeat: float
+) -> Gathered:
     errors: dict[int, BaseException] = {}
     parts: dict[int, list[Part]] = {r: [] for r in sorted([rank, *channels])}
-    answers = Answers(channels, heartbeat_interval(next(iter(channels.values())).timeout)).start()
+    answers = Answers(channels, heartbeat).start()
     with ThreadPoolExecutor(max_workers=len(channels), thread_name_prefix="tdgather-recv") as pool:
         futures = {peer: pool.submit(_receive_stream, ch, parts[peer]) for peer, ch in channels.items()}
         try:
