@@ -10,7 +10,12 @@ padding) is inside the timed call, as it is for tdgather.
   of its frame bytes with ``send``; rank 0 posts one ``irecv`` per peer into fresh buffers. No packing.
 - ``raw_p2p_warm``: the same into buffers rank 0 reuses from call to call: the wire alone, without
   the first-touch page faults of fresh memory (which ``raw_p2p`` pays, as any receiver of new data does).
-- ``tdgather_store``: `FrameStore.add` per batch, then `tdgather.gather`.
+- ``tdgather_gather``: `tdgather.gather` of a `FrameStore` filled before the timing (``copy=False``):
+  the data path alone, as ``raw_p2p`` sends a buffer made before.
+- ``tdgather_store``: `FrameStore.add` per batch (copying, the default), then `tdgather.gather`
+  (its result is lazy: a file's `Frames` is built on access).
+- ``tdgather_in_hand``: ``tdgather_store``, then every file's `Frames` built.
+- ``tdgather_save``: ``tdgather_store``, then `tdgather.save` to disk (fsynced).
 - ``tdgather_dict``: `tdgather.gather` of the dict.
 - ``tdgather_collector``: `tdgather.Collector` (streaming, to disk): ``add`` per batch.
 - ``gather_object`` / ``all_gather_object``: torch.distributed's pickling collectives, of the dict.
@@ -104,6 +109,37 @@ def tdgather_store(d: RankData) -> None:
     for names, idx, frames in d.batches:
         store.add(names, idx, frames)
     tdgather.gather(store)
+
+
+def tdgather_gather(d: RankData) -> None:
+    """gather() alone: of a store filled before the timing (``copy=False``), as raw_p2p sends a buffer made before."""
+    if not hasattr(d, "_store"):
+        d._store = tdgather.FrameStore(copy=False)
+        for names, idx, frames in d.batches:
+            d._store.add(names, idx, frames)
+    tdgather.gather(d._store)
+
+
+def tdgather_in_hand(d: RankData) -> None:
+    """tdgather_store, then every file's Frames built (the result is lazy: this is what access costs)."""
+    store = tdgather.FrameStore()
+    for names, idx, frames in d.batches:
+        store.add(names, idx, frames)
+    result = tdgather.gather(store)
+    if result is not None:
+        for name in result:
+            result[name].frames  # noqa: B018 (built on access)
+
+
+def tdgather_save(d: RankData) -> None:
+    """tdgather_store, then `tdgather.save` of the result (written from the received buffers, fsynced)."""
+    store = tdgather.FrameStore()
+    for names, idx, frames in d.batches:
+        store.add(names, idx, frames)
+    result = tdgather.gather(store)
+    if result is not None:
+        d.calls += 1
+        tdgather.save(result, os.path.join(d.scratch, f"save-{d.token}-{d.calls}"))
 
 
 def tdgather_dict(d: RankData) -> None:
@@ -259,7 +295,10 @@ def _sync_file_range() -> Callable[[int, int, int], None] | None:
 METHODS: dict[str, Callable[[RankData], None]] = {
     "raw_p2p": raw_p2p,
     "raw_p2p_warm": raw_p2p_warm,
+    "tdgather_gather": tdgather_gather,
     "tdgather_store": tdgather_store,
+    "tdgather_in_hand": tdgather_in_hand,
+    "tdgather_save": tdgather_save,
     "tdgather_dict": tdgather_dict,
     "tdgather_collector": tdgather_collector,
     "gather_object": gather_object,

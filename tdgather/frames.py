@@ -1,4 +1,4 @@
-"""The data model shared by every stage: `Frames`, `Layout` and `Part`.
+"""The data model shared by every stage: `Frames` and `Layout`.
 
 A frame's value is a tensor, a nested dict / TensorDict / tensorclass of
 tensors, or such a tree with plain JSON values (str, int, float, bool, None)
@@ -26,7 +26,6 @@ __all__ = [
     "Frames",
     "Layout",
     "Leaf",
-    "Part",
     "flatten",
     "gather_rows",
     "rebuild",
@@ -117,34 +116,6 @@ class Layout:
     def frame_nbytes(self) -> int:
         """Bytes of tensor data in one frame."""
         return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in self.leaves)
-
-
-@dataclass
-class Part:
-    """Frames of one layout from one rank, rows in any order.
-
-    Row ``r`` of ``frame_idx``, of every tensor in ``leaves`` (``[N, *leaf.shape]``) and of
-    every list in ``json`` belongs to filename ``files[rows[r]]``. A received part is sorted by
-    file then ``frame_idx``; a part made from rank dst's own store keeps the order of ``add``.
-    """
-
-    rank: int
-    layout: Layout
-    files: list[str]
-    rows: torch.Tensor  # int64 [N]: index into files
-    frame_idx: torch.Tensor
-    leaves: list[torch.Tensor]
-    json: list[list]
-
-    @property
-    def num_frames(self) -> int:
-        """Frames in the part."""
-        return self.frame_idx.numel()
-
-    @property
-    def nbytes(self) -> int:
-        """Tensor bytes of its frames."""
-        return self.num_frames * self.layout.frame_nbytes
 
 
 def _check_tensor(t: torch.Tensor, where: str) -> None:

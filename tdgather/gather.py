@@ -3,36 +3,54 @@
 Call order, on every rank of the group:
 
 1. every rank agrees on the call (`tdgather.transport.begin_call`: call number, dst);
-2. each rank packs its predictions (`tdgather.store`, `tdgather.wire.pack`);
-3. each sender posts ``data`` (if it holds frames) then ``done``, or ``error``
-   when its own input was bad, then waits for rank ``dst``'s answer (past its
-   heartbeats), then for its sends;
-4. rank ``dst`` receives every peer's stream on its own thread (receives name
-   their source), while it packs its own frames and sends heartbeats to the peers;
-5. rank ``dst`` merges (`tdgather.merge`, lowest rank first) and answers each peer
+2. each sender posts its frames (`tdgather.pack`, `tdgather.protocol.send_frames`): a data
+   message with its frame index, the pieces, then ``done`` (or ``error`` when its own input
+   was bad); then it waits for rank ``dst``'s answer (past its heartbeats), then for its sends;
+3. rank ``dst`` reads every peer's data message on the peer's own thread (receives name their
+   source) and sends heartbeats to the peers;
+4. with every frame index in hand, rank ``dst`` plans every row's place (`tdgather.plan`) and
+   allocates the result once; each peer's pieces then land there, straight into place where
+   their rows form one run, else through two reused buffers and a scatter that overlaps the
+   next piece's transfer; rank ``dst``'s own frames are scattered meanwhile;
+5. rank ``dst`` compares duplicates (`tdgather.duplicates` policy) and answers each peer
    ``done`` or ``error``, so a failure anywhere raises on every rank instead of hanging;
-6. rank ``dst`` returns the merged dict; the others return None.
+6. rank ``dst`` returns a `Gathered` mapping, whose `Frames` are built on first access; the
+   others return None.
 """
 
 from __future__ import annotations
 
-import contextlib
+import math
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .duplicates import DuplicateCounts, DuplicatePolicy
 from .errors import FrameConflictError, PeerLostError, ProtocolError, TdgatherError
-from .frames import Frames, Part
+from .frames import Frames, run_start, scatter_rows
 from .merge import merge
+from .pack import pack
+from .plan import Group, Part, Placement, place, scatter_chunks
+from .protocol import Joiner, as_bytes, end_stream, expect_done, read_frames, read_pieces, send_frames
 from .store import FrameStore, as_store
-from .transport import Answers, Channel, as_timeout, begin_call, heartbeat_interval, peer_error, transport_group
-from .wire import Kind, error_header, local_parts, pack, unpack
+from .transport import (
+    Answers,
+    Channel,
+    Message,
+    as_timeout,
+    begin_call,
+    heartbeat_interval,
+    peer_error,
+    transport_group,
+)
+from .wire import DataHeader, Kind, error_header
 
 __all__ = ["GatherStats", "Gathered", "gather"]
 
@@ -58,10 +76,39 @@ class GatherStats:
     duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
 
 
-class Gathered(dict[str, Frames]):
-    """The gathered ``{filename: Frames}``, sorted by filename, with ``stats``."""
+class Gathered(Mapping[str, Frames]):
+    """The gathered ``{filename: Frames}``, sorted by filename, with ``stats``.
 
-    stats: GatherStats
+    The frames are held per layout, columnar (``groups``, as rank dst placed them); a filename's
+    `Frames` (views of those buffers) is built when it is first accessed. `tdgather.save` writes
+    the groups as they are.
+    """
+
+    def __init__(self, groups: list[Group], stats: GatherStats | None = None) -> None:
+        self.groups = groups
+        where = {name: (g, i) for g in groups for i, name in enumerate(g.files)}
+        self._where = dict(sorted(where.items()))
+        self._built: dict[str, Frames] = {}
+        self.stats = stats or GatherStats(0, 0, 0)
+
+    def __getitem__(self, name: str) -> Frames:
+        frames = self._built.get(name)
+        if frames is None:
+            group, i = self._where[name]
+            frames = self._built[name] = group.frames(i)
+        return frames
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __repr__(self) -> str:
+        return f"Gathered({len(self)} filenames, {self.stats.frames} frames)"
 
 
 def gather(
@@ -106,7 +153,7 @@ def gather(
     wait = as_timeout(timeout)
     policy = DuplicatePolicy.of(duplicates)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return _result([local_parts(as_store(predictions), 0)], start, [0], policy)
+        return _Receive(as_store(predictions), 0, {}, policy, start).local()
     pg = transport_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     if not 0 <= dst < world:
@@ -117,7 +164,12 @@ def gather(
             _send(predictions, call.channel(dst))
             return None
         channels = {p: call.channel(p) for p in range(world) if p != rank}
-        return _receive(predictions, rank, channels, start, policy, heartbeat_interval(wait))
+        answers = Answers(channels, heartbeat_interval(wait)).start()
+        try:
+            grace = wait.total_seconds() / 2
+            return _Receive(predictions, rank, channels, policy, start, grace).run(answers)
+        finally:
+            answers.stop()
     finally:
         call.end()
 
@@ -125,16 +177,15 @@ def gather(
 def _send(predictions: Any, ch: Channel) -> None:
     failure = None
     try:
-        store = as_store(predictions)
-        data = pack(store) if len(store) else None
+        packed = pack(as_store(predictions))
     except Exception as e:  # bad input here: tell dst, so nobody waits for frames that never come
         failure = e
     try:
         if failure is not None:
-            works = ch.send(Kind.ERROR, error_header(failure))
+            works = end_stream(ch, error=failure)
         else:
-            works = ch.send(Kind.DATA, *data) if data else []
-            works += ch.send(Kind.DONE, {"frames": len(store)})
+            works = send_frames(ch, packed, Joiner(reuse=False))
+            works += end_stream(ch, packed.frames)
         # dst answers once it has read every stream (heartbeats until then), or at once when it
         # has failed: then the sends may never complete, so the answer is read first, and they after
         answer = ch.recv_answer()
@@ -150,77 +201,202 @@ def _send(predictions: Any, ch: Channel) -> None:
         raise peer_error(ch.peer, answer.header)
 
 
-def _receive_stream(ch: Channel, parts: list[Part]) -> None:
-    """Read one peer's stream into ``parts`` (kept by the caller, so a failure loses nothing received)."""
-    frames = 0
-    while True:
-        msg = ch.recv()
-        if msg.kind == Kind.DATA:
-            parts += unpack(msg.header, msg.payload, ch.peer)
-            frames += msg.header.num_frames
-        elif msg.kind == Kind.ERROR:
-            raise peer_error(ch.peer, msg.header)
-        else:
-            if msg.header["frames"] != frames:
-                raise ProtocolError(
-                    ch.peer, "done.frames", f"expected {frames} (frames received), got {msg.header['frames']}"
-                )
-            return
+class _Receive:
+    """Rank dst's side of one gather: read the frame indexes, place, land the pieces, answer."""
 
+    def __init__(
+        self, predictions: Any, rank: int, channels: dict[int, Channel], policy: Any, start: float, grace: float = 0.0
+    ) -> None:
+        self.predictions, self.rank, self.channels = predictions, rank, channels
+        self.policy, self.start = policy, start
+        self.errors: dict[int, BaseException] = {}
+        self.parts: dict[int, list[Part]] = {r: [] for r in sorted([rank, *channels])}
+        self.plans: dict[int, Message] = {}
+        self.planned = {p: threading.Event() for p in channels}
+        self.placed = threading.Event()
+        self.placements: list[tuple[Placement, list[Part]]] = []
+        self.buffers: list[list[torch.Tensor]] = []
+        self.landed: list[torch.Tensor] = []
+        self.dest: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (rank, group) -> placement, rows
+        self.discard = False  # placing failed: read the pieces only to keep the streams in step
+        # a frame index still missing after this long: every peer's pieces are received as they
+        # come and merged at the end, so that a straggler's timeout (which closes every gloo pair
+        # of this rank) cannot cost the others' frames
+        self.grace = grace
+        self.late = False
 
-def _receive(
-    predictions: Any, rank: int, channels: dict[int, Channel], start: float, policy: Any, heartbeat: float
-) -> Gathered:
-    errors: dict[int, BaseException] = {}
-    parts: dict[int, list[Part]] = {r: [] for r in sorted([rank, *channels])}
-    answers = Answers(channels, heartbeat).start()
-    with ThreadPoolExecutor(max_workers=len(channels), thread_name_prefix="tdgather-recv") as pool:
-        futures = {peer: pool.submit(_receive_stream, ch, parts[peer]) for peer, ch in channels.items()}
-        try:
-            parts[rank] = local_parts(as_store(predictions), rank)
-        except Exception as e:
-            errors[-1] = e
-        for peer, fut in futures.items():
+    def local(self) -> Gathered:
+        """No peers: place and merge rank dst's own frames."""
+        self.parts[self.rank] = self.predictions.parts(self.rank)
+        self._place()
+        self._land_local()
+        return self._result()
+
+    def run(self, answers: Answers) -> Gathered:
+        with ThreadPoolExecutor(max_workers=len(self.channels), thread_name_prefix="tdgather-recv") as pool:
+            futures = {peer: pool.submit(self._read_peer, peer) for peer in self.channels}
             try:
-                fut.result()
+                self.parts[self.rank] = as_store(self.predictions).parts(self.rank)
             except Exception as e:
-                errors[peer] = e
-                if isinstance(e, PeerLostError):
-                    answers.lost.add(peer)  # its pair is unusable
-    result = None
-    try:  # also after a peer's failure: the error carries what arrived
-        result = _result(list(parts.values()), start, list(parts), policy)
-    except Exception as e:
-        errors.setdefault(-1, e)  # (a failing peer is reported first; then rank dst's own error)
-        if isinstance(e, FrameConflictError):  # keep what arrived, one copy per frame
-            with contextlib.suppress(FrameConflictError):
-                result = _result(list(parts.values()), start, list(parts), DuplicatePolicy("keep"))
-    failure = errors[min(errors, key=lambda r: (r < 0, r))] if errors else None
-    if failure is None:
-        answers.answer_all(Kind.DONE, lambda peer: {"frames": sum(p.num_frames for p in parts[peer])})
-    else:
-        answers.answer_all(Kind.ERROR, error_header(failure))
-    answers.stop()
-    if failure is not None:
-        if isinstance(failure, TdgatherError):
-            failure.received = result  # nothing received is lost: the caller can still save it
-        raise failure
-    return result
+                self.errors[-1] = e
+            deadline = time.monotonic() + self.grace
+            for event in self.planned.values():
+                event.wait(max(0.0, deadline - time.monotonic()))
+            self.late = not all(event.is_set() for event in self.planned.values())
+            try:
+                if not self.late:
+                    self._place()
+            except Exception as e:
+                self.errors.setdefault(-1, e)
+                self.discard = True
+            self.placed.set()
+            if not (self.discard or self.late):
+                self._land_local()
+            for peer, fut in futures.items():
+                try:
+                    fut.result()
+                except Exception as e:
+                    self.errors[peer] = e
+                    if isinstance(e, PeerLostError):
+                        answers.lost.add(peer)  # its pair is unusable
+        result = None
+        if not self.discard:
+            try:  # also after a peer's failure: the error carries what arrived
+                result = self._result()
+            except FrameConflictError as e:
+                self.errors.setdefault(-1, e)
+                self.policy = DuplicatePolicy("keep")  # keep what arrived, one copy per frame
+                result = self._result()
+            except Exception as e:
+                self.errors.setdefault(-1, e)
+        failure = self.errors[min(self.errors, key=lambda r: (r < 0, r))] if self.errors else None
+        if failure is None:
+            answers.answer_all(Kind.DONE, lambda peer: {"frames": sum(p.num_frames for p in self.parts[peer])})
+        else:
+            answers.answer_all(Kind.ERROR, error_header(failure))
+        if failure is not None:
+            if isinstance(failure, TdgatherError):
+                failure.received = result  # nothing received is lost: the caller can still save it
+            raise failure
+        return result
+
+    def _read_peer(self, peer: int) -> None:
+        ch = self.channels[peer]
+        try:
+            msg = ch.recv()
+            if msg.kind == Kind.ERROR:
+                raise peer_error(peer, msg.header)
+            if msg.kind != Kind.DATA:
+                raise ProtocolError(peer, "prelude.kind", f"expected data (1) or error (3), got {int(msg.kind)}")
+            self.parts[peer] = [
+                Part(peer, g.layout, list(msg.header.files), ids, idx, list(g.json))
+                for g, (ids, idx) in zip(msg.header.groups, msg.index, strict=True)
+            ]
+        finally:
+            self.planned[peer].set()
+        self.placed.wait()
+        if self.late:  # no placement (a frame index came late): receive as it comes, merge at the end
+            try:
+                self.parts[peer] = read_frames(ch, msg)
+            except BaseException:
+                self.parts[peer] = []  # what it sent is not whole
+                raise
+            expect_done(ch, ch.recv(), msg.header.num_frames)
+            return
+        landing = _Landing(self, peer, msg.header)
+        landing.start()
+        read_pieces(ch, msg.header, landing.land)
+        expect_done(ch, ch.recv(), msg.header.num_frames)
+
+    def _place(self) -> None:
+        parts = [p for r in sorted(self.parts) for p in self.parts[r]]  # lowest rank first
+        self.placements = place(parts)
+        for k, (placement, members) in enumerate(self.placements):
+            self.buffers.append(placement.allocate())
+            self.landed.append(torch.zeros(placement.num_frames + placement.kept.numel(), dtype=torch.bool))
+            for part, dest in zip(members, placement.dest, strict=True):
+                self.dest[(part.rank, id(part))] = (k, dest)
+
+    def _land_local(self) -> None:
+        for part in self.parts[self.rank]:
+            k, dest = self.dest.get((self.rank, id(part)), (None, None))
+            if k is not None:
+                scatter_chunks(self.buffers[k], dest, part.chunks)
+                self.landed[k][dest] = True
+
+    def _result(self) -> Gathered:
+        if self.late:
+            merged = merge(
+                [p for r in sorted(self.parts) for p in self.parts[r] if p.chunks or not p.layout.leaves], self.policy
+            )
+            return self._gathered(merged.groups, merged.duplicates)
+        groups, found = [], DuplicateCounts()
+        for (placement, _), buffers, landed in zip(self.placements, self.buffers, self.landed, strict=True):
+            if bool(landed.all()):
+                found += placement.check_duplicates(buffers, self.policy)
+                groups.append(placement.group(buffers))
+            else:  # a peer failed part-way: what landed, one copy per frame
+                groups.append(placement.salvage(buffers, landed))
+        return self._gathered(groups, found)
+
+    def _gathered(self, groups: list[Group], found: DuplicateCounts) -> Gathered:
+        per_rank = {r: sum(p.num_frames for p in ps) for r, ps in self.parts.items()}
+        all_parts = [p for ps in self.parts.values() for p in ps]
+        stats = GatherStats(
+            frames=sum(g.num_frames for g in groups),
+            bytes=sum(p.nbytes for p in all_parts),
+            duplicates_dropped=found.dropped,
+            frames_per_rank=per_rank,
+            seconds=time.perf_counter() - self.start,
+            duplicates=found,
+        )
+        return Gathered(groups, stats)
 
 
-def _result(parts: list[list[Part]], start: float, ranks: list[int], policy: Any) -> Gathered:
-    flat = [p for ps in parts for p in ps]  # lowest rank first: its copy of a duplicate is kept
-    merged = merge(flat, policy)
-    per_rank = dict.fromkeys(ranks, 0)
-    for p in flat:
-        per_rank[p.rank] = per_rank.get(p.rank, 0) + p.num_frames
-    out = Gathered(merged.files)
-    out.stats = GatherStats(
-        frames=sum(f.frame_idx.numel() for f in merged.files.values()),
-        bytes=sum(p.nbytes for p in flat),
-        duplicates_dropped=merged.duplicates.dropped,
-        frames_per_rank=dict(sorted(per_rank.items())),
-        seconds=time.perf_counter() - start,
-        duplicates=merged.duplicates,
-    )
-    return out
+class _Landing:
+    """Where one peer's pieces land: straight into place, or into two staging buffers and scattered."""
+
+    def __init__(self, receive: _Receive, peer: int, header: DataHeader) -> None:
+        self.receive, self.peer = receive, peer
+        self.parts = receive.parts[peer]
+        # the rows of a group count as landed with their last leaf that has pieces
+        self.last = [max((j for j, c in enumerate(g.pieces) if c), default=-1) for g in header.groups]
+        self.staging = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self.turn = 0
+
+    def start(self) -> None:
+        """Groups with no pieces (no tensor bytes) have landed with their data message."""
+        for g, last in enumerate(self.last):
+            if last < 0 and not self.receive.discard:
+                k, dest = self.receive.dest[(self.peer, id(self.parts[g]))]
+                self.receive.landed[k][dest] = True
+
+    def land(self, g: int, j: int, first: int, rows: int) -> tuple[torch.Tensor, Any]:
+        leaf = self.parts[g].layout.leaves[j]
+        nbytes = rows * leaf.dtype.itemsize * math.prod(leaf.shape)
+        if not self.receive.discard:
+            k, dest = self.receive.dest[(self.peer, id(self.parts[g]))]
+            d = dest[first : first + rows]
+            buf, landed = self.receive.buffers[k][j], self.receive.landed[k]
+            mark = d if j == self.last[g] else None
+            start = run_start(d)
+            if start is not None:  # one run: straight into place
+                return as_bytes(buf[start : start + rows]), lambda: _mark(landed, mark)
+        i = self.turn
+        self.turn ^= 1
+        if self.staging[i].numel() < nbytes:
+            self.staging[i] = torch.empty(nbytes, dtype=torch.uint8)
+        into = self.staging[i][:nbytes]
+        if self.receive.discard:
+            return into, None
+
+        def scatter() -> None:
+            scatter_rows(buf, d, into.view(leaf.dtype).view(rows, *leaf.shape))
+            _mark(landed, mark)
+
+        return into, scatter
+
+
+def _mark(landed: torch.Tensor, rows: torch.Tensor | None) -> None:
+    if rows is not None:
+        landed[rows] = True

@@ -101,29 +101,28 @@ class DatasetWriter:
         """Frame bytes committed so far."""
         return sum(s["bytes"] for s in self.shards.values())
 
-    def write(self, frames: Mapping[str, Frames], ranks: Mapping[str, set[int]] | None = None) -> list[str]:
+    def write(self, frames: Mapping[str, Frames] | Any, ranks: Mapping[str, set[int]] | None = None) -> list[str]:
         """Commit ``{filename: Frames}`` as new shards; return their names.
 
         Args:
-            frames: the frames, one `Frames` per filename.
+            frames: the frames, one `Frames` per filename; or anything with ``groups`` (a
+                `tdgather.Gathered`, a merge's result), whose columnar buffers are written as they are.
             ranks: for each filename, the ranks that sent these frames (named in conflict errors).
         """
         ranks = ranks or {}
         shards: list[list[tuple]] = [[]]
         size = 0
-        for name in sorted(frames):
-            f = frames[name]
-            layout, tensors, json_values = flatten(f.frames, f.frame_idx.numel(), f"filename {name!r}")
-            idx = f.frame_idx
+        for name, layout, idx, tensors, json_values, runs in _items(frames):
             if name in self._layouts:
                 idx, tensors, json_values = self._drop_written(name, layout, idx, tensors, json_values, ranks)
+                runs = None
                 if not idx.numel():
                     continue
             nbytes = idx.numel() * (layout.frame_nbytes + 8)
             if shards[-1] and size + nbytes > self.max_shard_bytes:
                 shards.append([])
                 size = 0
-            shards[-1].append((name, layout, idx, tensors, json_values))
+            shards[-1].append((name, layout, idx, tensors, json_values, runs))
             size += nbytes
         written = []
         for shard in (s for s in shards if s):
@@ -131,12 +130,13 @@ class DatasetWriter:
             groups, entries, segments = _shard_tensors(shard, shard_name)
             meta = {"format": FORMAT, "shard": shard_name, "groups": json.dumps(groups)}
             write_safetensors(self.staging / shard_name, entries, meta)
-            for (name, layout, idx, _, _), segment in zip(shard, segments, strict=True):
+            for (name, layout, idx, _, _, runs), segment in zip(shard, segments, strict=True):
                 entry = self.files.setdefault(name, {"frames": 0, "segments": []})
                 entry["frames"] += segment["frames"]
                 entry["segments"].append(segment)
                 self._layouts[name] = layout
-                self._written[name] = _add_runs(self._written.get(name), idx)
+                old = self._written.get(name)
+                self._written[name] = runs if old is None and runs is not None else _add_runs(old, idx)
                 self._ranks.setdefault(name, set()).update(ranks.get(name, ()))
             self.shards[shard_name] = {
                 "frames": sum(x[2].numel() for x in shard),
@@ -257,6 +257,41 @@ def save(
         raise
 
 
+def _items(frames: Any) -> list[tuple]:
+    """``(name, layout, frame_idx, tensors, json, runs or None)`` per filename, sorted by name."""
+    groups = getattr(frames, "groups", None)
+    if groups is None:
+        items = []
+        for name in sorted(frames):
+            f = frames[name]
+            layout, tensors, json_values = flatten(f.frames, f.frame_idx.numel(), f"filename {name!r}")
+            items.append((name, layout, f.frame_idx, tensors, json_values, None))
+        return items
+    items = []
+    for g in groups:  # views of the group's buffers: nothing is copied or rebuilt per file
+        runs = _runs_per_file(g)
+        for i, name in enumerate(g.files):
+            lo, hi = g.starts[i], g.starts[i] + g.counts[i]
+            items.append(
+                (name, g.layout, g.frame_idx[lo:hi], [t[lo:hi] for t in g.leaves], [v[lo:hi] for v in g.json], runs[i])
+            )
+    return sorted(items, key=lambda item: item[0])
+
+
+def _runs_per_file(g: Any) -> list[torch.Tensor]:
+    """For each file of a group, its frame_idx as `_add_runs` keeps them, for all files at once."""
+    idx, n = g.frame_idx, g.frame_idx.numel()
+    if not n:
+        return [torch.empty(0, 2, dtype=torch.int64) for _ in g.files]
+    file_of = torch.repeat_interleave(torch.arange(len(g.files)), torch.tensor(g.counts, dtype=torch.int64))
+    head = torch.ones(n, dtype=torch.bool)
+    head[1:] = (file_of[1:] != file_of[:-1]) | (idx[1:] - idx[:-1] != 1)
+    heads = head.nonzero().flatten()
+    tails = torch.cat([heads[1:] - 1, torch.tensor([n - 1])])
+    runs = torch.stack([idx[heads], idx[tails]], dim=1)
+    return list(torch.split(runs, torch.bincount(file_of[heads], minlength=len(g.files)).tolist()))
+
+
 def _add_runs(runs: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
     """The union of ``runs`` (int64 ``[k, 2]``, inclusive, sorted, disjoint) and the indices ``idx``.
 
@@ -294,7 +329,7 @@ def _shard_tensors(shard: list, shard_name: str) -> tuple[dict, list, list]:
         key = f"g{g}"
         groups[key] = layout.to_json()
         row = 0
-        for name, _, idx, _, _ in items:
+        for name, _, idx, *_ in items:
             segment_of[name] = {"shard": shard_name, "group": key, "start": row, "frames": idx.numel()}
             row += idx.numel()
         entries.append((f"{key}.frame_idx", torch.int64, (row,), [x[2] for x in items]))
@@ -338,11 +373,29 @@ def write_safetensors(
     def chunks():
         yield struct.pack("<Q", len(raw)) + raw
         for _, _, _, pieces in entries:
-            for piece in pieces:
-                if piece.numel():
-                    yield memoryview(piece.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+            for piece in _coalesce(pieces):
+                yield memoryview(piece.numpy())
 
     _write_atomic(path, chunks())
+
+
+def _coalesce(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The pieces' bytes (uint8), neighbours in one storage joined into one view: one write for a run of files."""
+    out: list[torch.Tensor] = []
+    for piece in pieces:
+        if not piece.numel():
+            continue
+        b = piece.detach().cpu().contiguous().view(-1).view(torch.uint8)
+        if out:
+            last = out[-1]
+            same = last.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            if same and last.storage_offset() + last.numel() == b.storage_offset():
+                out[-1] = torch.empty(0, dtype=torch.uint8).set_(
+                    last.untyped_storage(), last.storage_offset(), (last.numel() + b.numel(),)
+                )
+                continue
+        out.append(b)
+    return out
 
 
 def _write_atomic(path: Path, chunks: Any) -> None:

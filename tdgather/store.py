@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 from .errors import ShapeMismatchError, UnsupportedValueError
-from .frames import Layout, Part, flatten, run_start
+from .frames import Layout, flatten
+from .plan import Part
 
-__all__ = ["FrameStore", "GroupPlan", "as_store"]
+__all__ = ["FrameStore", "as_store"]
 
 
 @dataclass
@@ -51,29 +52,6 @@ class _Bucket:
         self.idx: list = []
         self.leaves: list[list] = [[] for _ in layout.leaves]
         self.json: list[list] = [[] for _ in layout.nontensor]
-
-
-@dataclass
-class GroupPlan:
-    """How one layout group is laid out, sorted by file then ``frame_idx``.
-
-    ``targets[c]`` says where chunk ``c``'s rows go: an int when they form one
-    run starting there (a plain copy), else a LongTensor of row positions.
-    """
-
-    layout: Layout
-    files: list[str]
-    counts: list[int]
-    frame_idx: torch.Tensor
-    chunks: list[_Chunk]
-    targets: list[int | torch.Tensor]
-    order: torch.Tensor  # destination row i holds row order[i] of the chunks' concatenation
-    json: list[list]
-
-    @property
-    def num_frames(self) -> int:
-        """Frames in the group."""
-        return self.frame_idx.numel()
 
 
 def _this_rank() -> int:
@@ -212,42 +190,30 @@ class FrameStore:
             event.synchronize()
         self._copies.clear()
 
-    def plan(self) -> list[GroupPlan]:
-        """Sort every group by (file, frame_idx) and say where each chunk's rows go."""
+    @property
+    def names(self) -> list[str]:
+        """The filenames added so far, in order of first appearance (their ids)."""
+        return self._names
+
+    def groups(self) -> list[tuple[Layout, list[_Chunk]]]:
+        """The chunks of every layout, in the order added (after every device copy has landed)."""
         self.synchronize()
-        plans = []
-        for layout, chunks in self._chunks.items():
-            ids = torch.cat([c.file_ids for c in chunks])
-            idx = torch.cat([c.frame_idx for c in chunks])
-            order = torch.argsort(idx, stable=True)
-            order = order[torch.argsort(ids[order], stable=True)]
-            dest = torch.empty_like(order)
-            dest[order] = torch.arange(order.numel())
-            uniq, counts = torch.unique_consecutive(ids[order], return_counts=True)
-            targets, start = [], 0
-            for c in chunks:
-                pos = dest[start : start + c.frame_idx.numel()]
-                start += c.frame_idx.numel()
-                first = run_start(pos)
-                targets.append(pos if first is None else first)
-            json = [[v for c in chunks for v in c.json[j]] for j in range(len(layout.nontensor))]
-            if json:
-                perm = order.tolist()
-                json = [[vals[k] for k in perm] for vals in json]
-            files = [self._names[i] for i in uniq.tolist()]
-            plans.append(GroupPlan(layout, files, counts.tolist(), idx[order], chunks, targets, order, json))
-        return plans
+        return list(self._chunks.items())
 
     def parts(self, rank: int) -> list[Part]:
-        """The frames as parts that view the stored chunks, unsorted: no copy (rank dst's own frames)."""
-        self.synchronize()
-        out = []
-        for layout, chunks in self._chunks.items():
-            for c in chunks:
-                uniq, rows = torch.unique(c.file_ids, return_inverse=True)
-                files = [self._names[i] for i in uniq.tolist()]
-                out.append(Part(rank, layout, files, rows, c.frame_idx, c.tensors, c.json))
-        return out
+        """The frames as one `Part` per layout, viewing the stored batches: no copy."""
+        return [
+            Part(
+                rank,
+                layout,
+                self._names,
+                torch.cat([c.file_ids for c in chunks]),
+                torch.cat([c.frame_idx for c in chunks]),
+                [[v for c in chunks for v in c.json[j]] for j in range(len(layout.nontensor))],
+                [c.tensors for c in chunks],
+            )
+            for layout, chunks in self.groups()
+        ]
 
     @property
     def num_chunks(self) -> int:

@@ -21,12 +21,14 @@ from tqdm import tqdm
 
 from ._output import remove_ours
 from .duplicates import DuplicateCounts, DuplicatePolicy
-from .errors import FrameConflictError, PeerLostError, ProtocolError
+from .errors import FrameConflictError, PeerLostError
 from .merge import merge
+from .pack import pack
+from .protocol import Joiner, end_stream, expect_done, read_frames, send_frames
 from .sink import DatasetWriter
 from .store import FrameStore
 from .transport import Answers, Call, heartbeat_interval, peer_error
-from .wire import Kind, error_header, local_parts, pack, unpack
+from .wire import HEARTBEAT, Kind, error_header
 
 __all__ = ["Destination", "Sender"]
 
@@ -120,6 +122,7 @@ class Sender(_Side):
         if ready.kind == Kind.ERROR:
             raise peer_error(col.dst, ready.header)
         self.answer = None
+        self.joiner = Joiner(reuse=True)
         self.thread = threading.Thread(target=self._send_loop, name="tdgather-send", daemon=True)
         self.watcher = threading.Thread(target=self._watch, name="tdgather-answer", daemon=True)
         self.thread.start()
@@ -140,24 +143,24 @@ class Sender(_Side):
                     item = self.queue.get(timeout=_POLL)
                 except queue.Empty:
                     if time.monotonic() - last >= self.heartbeat:
-                        self.ch.wait(self.ch.send(Kind.DATA, {"parts": []}), "a heartbeat")
+                        self.ch.wait(self.ch.send(Kind.DATA, HEARTBEAT), "a heartbeat")
                         last = time.monotonic()
                     continue
                 last = time.monotonic()
                 if item is _CLOSE:
-                    self.ch.wait(self.ch.send(Kind.DONE, {"frames": self.frames}), "the done message")
+                    self.ch.wait(end_stream(self.ch, self.frames), "the done message")
                     return
                 if isinstance(item, BaseException):
-                    self.ch.wait(self.ch.send(Kind.ERROR, error_header(item)), "the error message")
+                    self.ch.wait(end_stream(self.ch, error=item), "the error message")
                     return
-                header, payload = pack(item)
-                self.ch.wait(self.ch.send(Kind.DATA, header, payload), "a chunk")
+                self.ch.wait(send_frames(self.ch, pack(item), self.joiner), "a chunk")
+                self.joiner.wait(self.ch)
                 self.frames += len(item)
         except BaseException as e:
             self.fail(e)
             if not isinstance(e, PeerLostError):  # the stream still works: end it, so dst need not wait
                 try:
-                    self.ch.wait(self.ch.send(Kind.ERROR, error_header(e)), "the error message")
+                    self.ch.wait(end_stream(self.ch, error=e), "the error message")
                 except PeerLostError:
                     pass
 
@@ -270,15 +273,13 @@ class Destination(_Side):
         try:
             while True:
                 msg = ch.recv()
-                if msg.kind == Kind.ERROR:
-                    raise peer_error(peer, msg.header)
-                if msg.kind == Kind.DONE:
-                    if msg.header["frames"] != frames:
-                        raise ProtocolError(peer, "done.frames", f"expected {frames}, got {msg.header['frames']}")
+                if msg.kind != Kind.DATA:
+                    expect_done(ch, msg, frames)
                     break
-                if msg.header.parts:  # after a failure too: what arrives is still written
+                if msg.header.groups:  # after a failure too: what arrives is still written
+                    parts = read_frames(ch, msg)
                     frames += msg.header.num_frames
-                    self.queue.put(("parts", peer, unpack(msg.header, msg.payload, peer)))
+                    self.queue.put(("parts", peer, parts))
         except BaseException as e:
             end = e
             if isinstance(e, PeerLostError):
@@ -298,7 +299,7 @@ class Destination(_Side):
             if self.write_failed:
                 continue  # drain
             try:
-                parts = local_parts(item, src) if kind == "local" else item
+                parts = item.parts(src) if kind == "local" else item
                 frames = sum(p.num_frames for p in parts)
                 size = sum(p.nbytes for p in parts)
                 self.received[src] += frames
@@ -329,12 +330,12 @@ class Destination(_Side):
         try:
             try:
                 merged = merge(parts, self.policy)
-                self.writer.write(merged.files, merged.ranks)
+                self.writer.write(merged, merged.ranks)
             except FrameConflictError as e:
                 self._fail(e)
                 self.policy = self.writer.policy = DuplicatePolicy("keep")
                 merged = merge(parts, self.policy)
-                self.writer.write(merged.files, merged.ranks)
+                self.writer.write(merged, merged.ranks)
             self.duplicates += merged.duplicates
         except BaseException as e:
             self.write_failed = True

@@ -31,7 +31,18 @@ import torch
 import torch.distributed as dist
 
 from .errors import CallMismatchError, PeerError, PeerLostError, ProtocolError, TdgatherError
-from .wire import PRELUDE_LEN, Kind, Limits, Prelude, check_call, decode_header, decode_json, encode_json
+from .wire import (
+    HEARTBEAT,
+    PRELUDE_LEN,
+    Kind,
+    Limits,
+    Prelude,
+    check_call,
+    decode_header,
+    decode_index,
+    decode_json,
+    encode_json,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -144,10 +155,11 @@ def begin_call(group: Any, kind: str, dst: int, timeout: timedelta, path: str | 
 class Message:
     """A received message: its prelude, validated header and payload."""
 
-    __slots__ = ("header", "payload", "prelude")
+    __slots__ = ("header", "index", "payload", "prelude")
 
-    def __init__(self, prelude: Prelude, header: Any, payload: torch.Tensor | None) -> None:
+    def __init__(self, prelude: Prelude, header: Any, payload: torch.Tensor | None, index: list | None = None) -> None:
         self.prelude, self.header, self.payload = prelude, header, payload
+        self.index = index or []  # a data message's per-group (file_ids, frame_idx)
 
     @property
     def kind(self) -> Kind:
@@ -181,15 +193,14 @@ class Channel:
         self._seq_in = 0
         self._send_lock = threading.Lock()  # sends come from several threads; each message is posted whole
 
-    def send(self, kind: Kind, header: dict, payload: torch.Tensor | None = None) -> list:
-        """Post one message to the peer; return its pending works (keep them until waited)."""
-        raw = encode_json(header)
+    def send(self, kind: Kind, header: dict | None, payload: torch.Tensor | None = None) -> list:
+        """Post one message to the peer (a piece has no header); return its pending works (keep them until waited)."""
+        raw = b"" if header is None else encode_json(header)
         size = 0 if payload is None else payload.numel()
         with self._send_lock:
-            tensors = [
-                Prelude(kind, self._seq_out, len(raw), size, self.rank, *self.call).encode(),
-                torch.frombuffer(bytearray(raw), dtype=torch.uint8),
-            ]
+            tensors = [Prelude(kind, self._seq_out, len(raw), size, self.rank, *self.call).encode()]
+            if raw:
+                tensors.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
             if size:
                 tensors.append(payload)
             self._seq_out += 1
@@ -206,27 +217,54 @@ class Channel:
     def recv(self, first_wait: timedelta | None = None) -> Message:
         """Receive one message: 1. prelude, 2. header, 3. payload, each validated first.
 
+        A data message's frame index is decoded and checked too (``Message.index``).
+
         Args:
             first_wait: how long to wait for the prelude (default: the channel's timeout).
                 The rest of a message, once started, always comes within the timeout.
         """
         seq = self._seq_in
-        raw_prelude = torch.empty(PRELUDE_LEN, dtype=torch.int64)
-        self._recv_into(raw_prelude, f"the prelude of message {seq}", first_wait)
-        prelude = Prelude.decode(raw_prelude, self.peer, seq, self.limits)
-        if prelude.header_len == 0:
-            raise ProtocolError(self.peer, "prelude.header_len", "expected a header, got length 0")
+        prelude = self._recv_prelude(seq, first_wait)
+        if prelude.kind == Kind.PIECE:
+            raise ProtocolError(self.peer, "prelude.kind", "expected a data, done or error message, got a piece")
         raw_header = torch.empty(prelude.header_len, dtype=torch.uint8)
         self._recv_into(raw_header, f"the header of message {seq}")
         parsed = decode_json(raw_header.numpy().tobytes(), self.peer, self.limits)
-        header = decode_header(parsed, prelude.kind, self.peer, prelude.payload_len)
+        header = decode_header(parsed, prelude.kind, self.peer, prelude.payload_len, self.limits)
         payload = None
         if prelude.payload_len:
             payload = torch.empty(prelude.payload_len, dtype=torch.uint8)
             self._recv_into(payload, f"the payload of message {seq}")
         self._seq_in += 1
         check_call(prelude, self.call, self.label)  # after reading it whole: the stream stays in step
-        return Message(prelude, header, payload)
+        index = decode_index(header, payload, self.peer) if prelude.kind == Kind.DATA else []
+        return Message(prelude, header, payload, index)
+
+    def recv_piece(self, into: torch.Tensor, then: Callable[[], None] | None = None) -> None:
+        """Receive the next message, a piece of exactly ``into.numel()`` bytes, into ``into`` (uint8).
+
+        ``then`` runs while the payload is on the wire (the previous piece's scatter).
+        """
+        seq = self._seq_in
+        prelude = self._recv_prelude(seq)
+        if prelude.kind != Kind.PIECE or prelude.payload_len != into.numel():
+            got = f"a {prelude.kind.name.lower()} message of {prelude.payload_len} bytes"
+            raise ProtocolError(self.peer, "prelude.kind", f"expected a piece of {into.numel()} bytes, got {got}")
+        what = f"the payload of message {seq}"
+        try:
+            work = dist.irecv(into, group=self.group, group_src=self.peer)
+        except RuntimeError as e:
+            raise self._lost(e, what, self.timeout) from e
+        if then is not None:
+            then()
+        self._wait(work, what)
+        self._seq_in += 1
+        check_call(prelude, self.call, self.label)
+
+    def _recv_prelude(self, seq: int, first_wait: timedelta | None = None) -> Prelude:
+        raw_prelude = torch.empty(PRELUDE_LEN, dtype=torch.int64)
+        self._recv_into(raw_prelude, f"the prelude of message {seq}", first_wait)
+        return Prelude.decode(raw_prelude, self.peer, seq, self.limits)
 
     def _recv_into(self, tensor: torch.Tensor, what: str, timeout: timedelta | None = None) -> None:
         try:
@@ -250,8 +288,8 @@ class Channel:
                 raise
             if msg.kind != Kind.DATA:
                 return msg
-            if msg.header.parts:
-                raise ProtocolError(self.peer, "header.parts", "expected an answer or a heartbeat, got frames")
+            if msg.header.groups:
+                raise ProtocolError(self.peer, "header.groups", "expected an answer or a heartbeat, got frames")
 
     def _wait(self, work: Any, what: str, timeout: timedelta | None = None) -> None:
         timeout = timeout or self.timeout
@@ -345,7 +383,7 @@ class Answers:
                     if peer in self.answered or peer in self.lost:
                         continue
                     try:
-                        posted.append((peer, ch, ch.send(Kind.DATA, {"parts": []})))
+                        posted.append((peer, ch, ch.send(Kind.DATA, HEARTBEAT)))
                     except PeerLostError:
                         self.lost.add(peer)
             for peer, ch, works in posted:  # gloo completes a send only when it is waited on; a live

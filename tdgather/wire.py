@@ -1,20 +1,27 @@
-"""Stage 2, the wire format: pack a store into one payload, validate and unpack.
+"""Stage 2, the wire format: the messages of a stream, and their validation.
 
-A message is three tensors, in order on one peer's stream:
+A message is at most three tensors, in order on one peer's stream:
 
 1. a prelude, ``int64[10]``: magic, version, kind, sequence number, header
    length, payload length, source rank, call number, destination rank, call digest;
 2. a UTF-8 JSON header (absent when its length is 0);
 3. at most one ``uint8`` payload (absent when its length is 0).
 
-Every size is known before anything is allocated, and `decode_prelude` and
-`decode_header` check every field first. The payload is rebuilt as views of the
-one received buffer. No pickle: non-tensor values travel as JSON.
+Frames travel as a ``data`` message followed by its ``piece`` messages:
+
+- ``data``: the header names the filenames and, per layout group, its rows, JSON leaves and
+  how each tensor leaf is cut into pieces; the payload is the frame index (frame_idx, and
+  (file id, row count) runs), so rank dst can place every row before any frame arrives;
+- ``piece``: no header; the payload is the rows a piece holds of one leaf, in the sender's
+  order (batches as the sender holds them, small ones joined), with the length announced.
+
+Every size is known before anything is allocated, and `Prelude.decode` and `decode_header`
+check every field first. No pickle: non-tensor values travel as JSON.
 
 The call number (the count of tdgather calls on the group, `tdgather.transport.begin_call`),
 the destination rank and the call digest (of the call's kind and path) tie every message to
 one call, so a message of another call is refused, never merged. A data message with no
-parts is a heartbeat.
+groups is a heartbeat.
 """
 
 from __future__ import annotations
@@ -28,37 +35,35 @@ from typing import Any
 
 import torch
 
-from ._dtypes import dtype_from_name, dtype_name
+from ._dtypes import dtype_from_name
 from .errors import CallMismatchError, ProtocolError
-from .frames import Layout, Part, gather_rows, scatter_rows
-from .store import FrameStore
+from .frames import Layout
 
 __all__ = [
     "ALIGN",
+    "HEARTBEAT",
     "MAGIC",
     "PRELUDE_LEN",
     "VERSION",
     "DataHeader",
+    "GroupSpec",
     "Kind",
     "Limits",
-    "PartSpec",
     "Prelude",
-    "TensorSpec",
     "check_call",
     "decode_header",
+    "decode_index",
     "decode_json",
     "encode_json",
     "error_header",
-    "local_parts",
-    "pack",
-    "unpack",
+    "index_offsets",
 ]
 
 MAGIC = int.from_bytes(b"tdgather", "big")
-VERSION = 2
+HEARTBEAT = {"files": [], "groups": []}  # the header of an empty data message
+VERSION = 3
 PRELUDE_LEN = 10
-ALIGN = 64  # every leaf starts at a multiple of this, so views of any dtype are aligned
-_SMALL_CHUNK = 1 << 20  # below this average batch size, packing gathers rows in one kernel
+ALIGN = 64  # every index tensor starts at a multiple of this, so its views are aligned
 
 
 class Kind(IntEnum):
@@ -67,6 +72,7 @@ class Kind(IntEnum):
     DATA = 1
     DONE = 2
     ERROR = 3
+    PIECE = 4
 
 
 def _physical_memory() -> int:
@@ -118,14 +124,15 @@ class Prelude:
 
         check(magic == MAGIC, "magic", hex(MAGIC), hex(magic & (2**64 - 1)))
         check(version == VERSION, "version", f"protocol version {VERSION} (same tdgather on every rank)", version)
-        check(kind in Kind._value2member_map_, "kind", "1 (data), 2 (done) or 3 (error)", kind)
+        check(kind in Kind._value2member_map_, "kind", "1 (data), 2 (done), 3 (error) or 4 (piece)", kind)
         check(got_seq == seq, "seq", f"message number {seq}", got_seq)
         check(got_src == src, "src", f"rank {src}", got_src)
         check(0 <= header_len <= limits.max_header_bytes, "header_len", f"0..{limits.max_header_bytes}", header_len)
         check(
             0 <= payload_len <= limits.max_payload_bytes, "payload_len", f"0..{limits.max_payload_bytes}", payload_len
         )
-        check(kind == Kind.DATA or payload_len == 0, "payload_len", "0 for a done or error message", payload_len)
+        check(kind in (Kind.DATA, Kind.PIECE) or payload_len == 0, "payload_len", "0 for done or error", payload_len)
+        check((kind == Kind.PIECE) == (header_len == 0), "header_len", "0 for a piece, else > 0", header_len)
         return Prelude(Kind(kind), got_seq, header_len, payload_len, got_src, *got_call)
 
 
@@ -151,37 +158,59 @@ def check_call(prelude: Prelude, call: tuple[int, int, int], label: str = "") ->
 
 
 @dataclass(frozen=True)
-class TensorSpec:
-    """Where one tensor sits in the payload."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class PartSpec:
-    """One layout group of a data message."""
+class GroupSpec:
+    """One layout group of a data message: its rows, how its index is sent, how its leaves are cut."""
 
     layout: Layout
-    files: tuple[str, ...]
-    counts: tuple[int, ...]
-    frame_idx: TensorSpec
-    leaves: tuple[TensorSpec, ...]
+    rows: int
+    index_dtype: torch.dtype  # of frame_idx on the wire: int32 when every index fits, else int64
+    runs: int  # (file id, row count) runs that give each row's filename
     json: tuple[list, ...]
+    pieces: tuple[tuple[int, ...], ...]  # per tensor leaf: the rows of each piece message, in order
 
 
 @dataclass(frozen=True)
 class DataHeader:
-    """The validated header of a data message."""
+    """The validated header of a data message (no groups: a heartbeat)."""
 
-    parts: tuple[PartSpec, ...]
+    files: tuple[str, ...]
+    groups: tuple[GroupSpec, ...]
 
     @property
     def num_frames(self) -> int:
         """Frames announced by this message."""
-        return sum(sum(p.counts) for p in self.parts)
+        return sum(g.rows for g in self.groups)
+
+    @property
+    def index_nbytes(self) -> int:
+        """The length of the message's payload: every group's frame index."""
+        return index_offsets(self.groups)[-1]
+
+    def pieces(self) -> list[tuple[int, int, int, int]]:
+        """The piece messages that follow, in order: ``(group, leaf, first row, rows)``."""
+        out = []
+        for g, spec in enumerate(self.groups):
+            for j, counts in enumerate(spec.pieces):
+                start = 0
+                for rows in counts:
+                    out.append((g, j, start, rows))
+                    start += rows
+        return out
+
+
+def index_offsets(groups: Any) -> list[int]:
+    """Where each group's frame_idx and runs start in a data payload, and (last) its length.
+
+    Per group: ``frame_idx [rows]`` (its index dtype), then ``runs int64 [runs, 2]`` (file id,
+    row count), each at a multiple of `ALIGN`.
+    """
+    out, offset = [], 0
+    for g in groups:
+        out.append(offset)
+        offset = _aligned(offset + g.rows * g.index_dtype.itemsize)
+        out.append(offset)
+        offset = _aligned(offset + g.runs * 16)
+    return [*out, offset]
 
 
 def encode_json(obj: Any) -> bytes:
@@ -273,12 +302,15 @@ class _Check:
         return tuple(self.int(d, f"{field}[{i}]") for i, d in enumerate(self.list(x, field)))
 
 
-def decode_header(obj: Any, kind: Kind, src: int, payload_len: int) -> DataHeader | dict:
+def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limits | None = None) -> DataHeader | dict:
     """Validate a parsed header of ``kind``; data headers become a `DataHeader`.
 
-    Every leaf must be a supported dtype, lie inside the payload, not overlap
-    another, and have ``prod(shape) * itemsize == nbytes``.
+    A data header announces its groups: each a layout, its row count, its index dtype and runs,
+    its JSON leaves (one value per row) and how each tensor leaf is cut into piece messages
+    (rows that sum to the group's; each piece under the payload cap). ``payload_len`` must be
+    exactly the frame index the groups announce.
     """
+    limits = limits or Limits()
     c = _Check(src)
     if kind == Kind.DONE:
         c.int(c.obj(obj, "header", {"frames"})["frames"], "header.frames")
@@ -287,56 +319,63 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int) -> DataHeade
         c.obj(obj, "header", {"type", "message"})
         c.str(obj["type"], "header.type"), c.str(obj["message"], "header.message")
         return obj
-    parts, ranges = [], []
-    for i, p in enumerate(c.list(c.obj(obj, "header", {"parts"})["parts"], "header.parts")):
-        f = f"header.parts[{i}]"
-        c.obj(p, f, {"layout", "files", "counts", "frame_idx", "leaves", "json"})
-        layout = _decode_layout(p["layout"], c, f"{f}.layout")
-        files = tuple(c.str(s, f"{f}.files[]") for s in c.list(p["files"], f"{f}.files"))
-        counts = tuple(c.int(n, f"{f}.counts[]") for n in c.list(p["counts"], f"{f}.counts", len(files)))
-        if len(set(files)) != len(files) or 0 in counts:
-            raise c.fail(f"{f}.files", "distinct filenames with at least one frame each", files)
-        n = sum(counts)
-        leaf_specs = c.list(p["leaves"], f"{f}.leaves", len(layout.leaves))
-        idx_dtype = (
-            torch.int32 if isinstance(p["frame_idx"], dict) and p["frame_idx"].get("dtype") == "int32" else torch.int64
-        )
-        wanted = [("frame_idx", p["frame_idx"], idx_dtype, ())] + [
-            (f"leaves[{j}]", s, leaf.dtype, leaf.shape)
-            for j, (s, leaf) in enumerate(zip(leaf_specs, layout.leaves, strict=True))
-        ]
-        specs = []
-        for name, s, dt, frame_shape in wanted:
-            field = f"{f}.{name}"
-            spec = _decode_spec(s, c, field, payload_len)
-            if spec.dtype != dt or spec.shape != (n, *frame_shape):
-                got = f"{dtype_name(spec.dtype)}{list(spec.shape)}"
-                raise c.fail(field, f"{dtype_name(dt)}{[n, *frame_shape]}", got)
-            specs.append(spec)
-            ranges.append((spec.offset, spec.nbytes, field))
-        values = c.list(p["json"], f"{f}.json", len(layout.nontensor))
+    c.obj(obj, "header", {"files", "groups"})
+    files = tuple(c.str(s, "header.files[]") for s in c.list(obj["files"], "header.files"))
+    if len(set(files)) != len(files):
+        raise c.fail("header.files", "distinct filenames", [f for f in files if files.count(f) > 1][:3])
+    groups = []
+    for i, g in enumerate(c.list(obj["groups"], "header.groups")):
+        f = f"header.groups[{i}]"
+        c.obj(g, f, {"layout", "rows", "index", "runs", "json", "pieces"})
+        layout = _decode_layout(g["layout"], c, f"{f}.layout")
+        rows = c.int(g["rows"], f"{f}.rows")
+        if rows == 0:
+            raise c.fail(f"{f}.rows", "at least 1", rows)
+        if g["index"] not in ("int32", "int64"):
+            raise c.fail(f"{f}.index", "'int32' or 'int64'", g["index"])
+        runs = c.int(g["runs"], f"{f}.runs", rows)
+        if runs == 0:
+            raise c.fail(f"{f}.runs", f"1..{rows}", runs)
+        values = c.list(g["json"], f"{f}.json", len(layout.nontensor))
         for j, v in enumerate(values):
-            c.list(v, f"{f}.json[{j}]", n)
-        parts.append(PartSpec(layout, files, counts, specs[0], tuple(specs[1:]), tuple(values)))
-    end = 0
-    for offset, nbytes, field in sorted(ranges):
-        if nbytes and offset < end:
-            raise c.fail(field, "byte ranges that do not overlap", f"a range starting at {offset} before {end}")
-        end = max(end, offset + nbytes)
-    if payload_len > _aligned(end):  # nothing unannounced is allocated (a heartbeat announces 0 bytes)
-        raise c.fail("prelude.payload_len", f"at most {_aligned(end)} (the end of the last leaf)", payload_len)
-    return DataHeader(tuple(parts))
+            c.list(v, f"{f}.json[{j}]", rows)
+        pieces = []
+        for j, (counts, leaf) in enumerate(
+            zip(c.list(g["pieces"], f"{f}.pieces", len(layout.leaves)), layout.leaves, strict=True)
+        ):
+            field = f"{f}.pieces[{j}]"
+            row_bytes = math.prod(leaf.shape) * leaf.dtype.itemsize
+            counts = tuple(c.int(n, f"{field}[]") for n in c.list(counts, field))
+            wanted = rows if row_bytes else 0
+            if 0 in counts or sum(counts) != wanted:
+                raise c.fail(field, f"piece row counts >= 1 that sum to {wanted}", list(counts)[:8])
+            if counts and max(counts) * row_bytes > limits.max_payload_bytes:
+                raise c.fail(field, f"pieces of at most {limits.max_payload_bytes} bytes", max(counts) * row_bytes)
+            pieces.append(counts)
+        dtype = torch.int32 if g["index"] == "int32" else torch.int64
+        groups.append(GroupSpec(layout, rows, dtype, runs, tuple(values), tuple(pieces)))
+    header = DataHeader(files, tuple(groups))
+    if payload_len != header.index_nbytes:  # nothing unannounced is allocated (a heartbeat announces 0 bytes)
+        raise c.fail("prelude.payload_len", f"{header.index_nbytes} (the frame index the groups announce)", payload_len)
+    return header
 
 
-def _decode_spec(s: Any, c: _Check, field: str, payload_len: int) -> TensorSpec:
-    c.obj(s, field, {"dtype", "shape", "offset", "nbytes"})
-    dt, shape = c.dtype(s["dtype"], f"{field}.dtype"), c.shape(s["shape"], f"{field}.shape")
-    offset, nbytes = c.int(s["offset"], f"{field}.offset"), c.int(s["nbytes"], f"{field}.nbytes")
-    if math.prod(shape) * dt.itemsize != nbytes:
-        raise c.fail(f"{field}.nbytes", f"prod(shape) * itemsize = {math.prod(shape) * dt.itemsize}", nbytes)
-    if offset % ALIGN or offset + nbytes > payload_len:
-        raise c.fail(f"{field}.offset", f"a multiple of {ALIGN} with offset + nbytes <= {payload_len}", offset)
-    return TensorSpec(dt, shape, offset, nbytes)
+def decode_index(header: DataHeader, payload: torch.Tensor | None, src: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each group's ``(file_ids, frame_idx)`` (int64 ``[rows]`` each), checked: runs inside ``files``."""
+    c = _Check(src)
+    offsets = index_offsets(header.groups)
+    out = []
+    for i, g in enumerate(header.groups):
+        at, runs_at = offsets[2 * i], offsets[2 * i + 1]
+        frame_idx = payload[at : at + g.rows * g.index_dtype.itemsize].view(g.index_dtype).to(torch.int64)
+        runs = payload[runs_at : runs_at + g.runs * 16].view(torch.int64).view(g.runs, 2)
+        ids, lengths = runs[:, 0], runs[:, 1]
+        if bool((ids < 0).any() | (ids >= len(header.files)).any()):
+            raise c.fail(f"header.groups[{i}].runs[]", f"file ids in 0..{len(header.files) - 1}", ids.tolist()[:8])
+        if bool((lengths < 1).any()) or int(lengths.sum()) != g.rows:
+            raise c.fail(f"header.groups[{i}].runs[]", f"row counts >= 1 that sum to {g.rows}", lengths.tolist()[:8])
+        out.append((torch.repeat_interleave(ids, lengths), frame_idx))
+    return out
 
 
 def _decode_layout(obj: Any, c: _Check, field: str) -> Layout:
@@ -365,86 +404,6 @@ def _decode_layout(obj: Any, c: _Check, field: str) -> Layout:
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def pack(store: FrameStore) -> tuple[dict, torch.Tensor]:
-    """Lay a store out as a data header and one contiguous ``uint8`` payload.
-
-    1. plan: sort each layout group by (file, frame_idx);
-    2. place every leaf at an aligned offset;
-    3. copy each chunk's rows into place (a plain copy when they form one run).
-    """
-    plans = store.plan()
-    parts, offset, jobs = [], 0, []
-    for plan in plans:
-        n = plan.num_frames
-        specs = []
-        idx_dtype = _index_dtype(plan.frame_idx)
-        for j, (dt, shape) in enumerate([(idx_dtype, ())] + [(x.dtype, x.shape) for x in plan.layout.leaves]):
-            nbytes = n * math.prod(shape) * dt.itemsize
-            specs.append({"dtype": dtype_name(dt), "shape": [n, *shape], "offset": offset, "nbytes": nbytes})
-            jobs.append((plan, j - 1, offset, nbytes, dt))
-            offset = _aligned(offset + nbytes)
-        parts.append(
-            {
-                "layout": plan.layout.to_json(),
-                "files": plan.files,
-                "counts": plan.counts,
-                "frame_idx": specs[0],
-                "leaves": specs[1:],
-                "json": plan.json,
-            }
-        )
-    payload = torch.empty(offset, dtype=torch.uint8)
-    for plan, leaf, start, nbytes, dt in jobs:
-        if leaf < 0:
-            payload[start : start + nbytes].view(dt).copy_(plan.frame_idx)
-            continue
-        rows = payload[start : start + nbytes].view(plan.num_frames, nbytes // plan.num_frames)
-        if len(plan.chunks) > 8 and nbytes < len(plan.chunks) * _SMALL_CHUNK:  # many small batches: one gather
-            gather_rows(rows, torch.cat([c.tensors[leaf] for c in plan.chunks]), plan.order)
-            continue
-        for chunk, target in zip(plan.chunks, plan.targets, strict=True):
-            scatter_rows(rows, target, chunk.tensors[leaf])
-    return {"parts": parts}, payload
-
-
-def _index_dtype(frame_idx: torch.Tensor) -> torch.dtype:
-    """int32 on the wire when every index fits (4 bytes a frame saved), else int64."""
-    fits = frame_idx.numel() == 0 or (int(frame_idx.min()) >= -(2**31) and int(frame_idx.max()) < 2**31)
-    return torch.int32 if fits else torch.int64
-
-
-def unpack(header: DataHeader, payload: torch.Tensor, rank: int) -> list[Part]:
-    """Rebuild the parts of a validated data message as views of ``payload`` (frame_idx as int64)."""
-
-    def view(s: TensorSpec) -> torch.Tensor:
-        return payload[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape)
-
-    return [
-        Part(
-            rank,
-            p.layout,
-            list(p.files),
-            torch.arange(len(p.files)).repeat_interleave(torch.tensor(p.counts, dtype=torch.int64)),
-            view(p.frame_idx).to(torch.int64),
-            [view(s) for s in p.leaves],
-            list(p.json),
-        )
-        for p in header.parts
-    ]
-
-
-def local_parts(store: FrameStore, rank: int) -> list[Part]:
-    """Rank dst's own frames as parts: views of its chunks when they are large, else packed (one copy).
-
-    Large chunks go to the merge as they are, so whole files stay views and split ones are copied
-    once. Many small chunks are packed first: one sorted gather beats a scatter per chunk.
-    """
-    if store.nbytes >= store.num_chunks * _SMALL_CHUNK:
-        return store.parts(rank)
-    header, payload = pack(store)
-    return unpack(decode_header(header, Kind.DATA, rank, payload.numel()), payload, rank)
 
 
 def error_header(e: BaseException, limit: int = 16384) -> dict:

@@ -463,3 +463,27 @@ def case_writer_per_node(out: str, ranks_per_node: int) -> dict:
     with tdgather.Collector(f"{out}/node-{node}", group=node_group, timeout=60, progress=False) as col:
         col.update(p)
     return {"node": node, "wrote": col.summary is not None}
+
+
+def wire_roundtrip(store: tdgather.FrameStore, rank: int = 0):
+    """A store packed, its data message validated as rank dst does, its pieces joined: (parts, packed).
+
+    The wire without gloo: every step of the receive path but the transport itself.
+    """
+    from tdgather.pack import pack
+    from tdgather.plan import Part
+    from tdgather.protocol import as_bytes
+    from tdgather.wire import Kind, Limits, decode_header, decode_index, decode_json, encode_json
+
+    packed = pack(store)
+    parsed = decode_json(encode_json(packed.header), rank, Limits())
+    header = decode_header(parsed, Kind.DATA, rank, 0 if packed.index is None else packed.index.numel())
+    index = decode_index(header, packed.index, rank)
+    columns = [[torch.empty((g.rows, *x.shape), dtype=x.dtype) for x in g.layout.leaves] for g in header.groups]
+    for (g, j, first, rows), piece in zip(header.pieces(), packed.pieces, strict=True):
+        as_bytes(columns[g][j][first : first + rows]).copy_(torch.cat(piece))
+    parts = [
+        Part(rank, g.layout, list(header.files), ids, idx, list(g.json), [columns[k]])
+        for k, (g, (ids, idx)) in enumerate(zip(header.groups, index, strict=True))
+    ]
+    return parts, packed

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 import tdgather
+from tdgather.pack import pack
 from tdgather.transport import Channel
-from tdgather.wire import MAGIC, PRELUDE_LEN, VERSION, Kind, encode_json, pack
+from tdgather.wire import MAGIC, PRELUDE_LEN, VERSION, Kind, encode_json
 
 from .cases import value
 
@@ -196,19 +197,18 @@ class MakesAFile:
         return (open, (self.path, "w"))
 
 
-def _valid_data(n_bytes: int = 1 << 20) -> tuple[dict, torch.Tensor]:
+def _valid_data() -> tuple[dict, torch.Tensor]:
+    """A valid data message of 4 frames (its pieces are never sent: rank 0 stops at the data message)."""
     store = tdgather.FrameStore()
-    store.add(["x.mp4"] * 4, [0, 1, 2, 3], torch.ones(4, n_bytes // 16))
-    return pack(store)
-
-
-def _leaf(header: dict) -> dict:
-    return header["parts"][0]["leaves"][0]
+    store.add(["x.mp4"] * 4, [0, 1, 2, 3], torch.ones(4, 1 << 16))
+    packed = pack(store)
+    return packed.header, packed.index
 
 
 def corrupted(name: str, rank: int, evidence: str) -> tuple[list[int], bytes, torch.Tensor | None]:
     """A hand-made message: (prelude fields, header bytes, payload)."""
     header, payload = _valid_data()
+    group = header["groups"][0]
     prelude = [MAGIC, VERSION, int(Kind.DATA), 0, 0, payload.numel(), rank, 0, 0, 0]  # call (0, 0, 0)
     raw = None
     if name == "magic":
@@ -220,28 +220,31 @@ def corrupted(name: str, rank: int, evidence: str) -> tuple[list[int], bytes, to
     elif name == "payload_len":
         prelude[5] = 1 << 50
     elif name == "non_utf8":
-        raw = b'{"parts": "\xff\xfe"}'
+        raw = b'{"files": "\xff\xfe"}'
     elif name == "nan":
-        raw = b'{"parts": [NaN]}'
+        raw = b'{"files": [NaN]}'
     elif name == "duplicate_keys":
-        raw = b'{"parts": [], "parts": []}'
+        raw = b'{"files": [], "files": []}'
     elif name == "deep":
         raw = b"[" * 10_000 + b"]" * 10_000
-    elif name == "outside":
-        _leaf(header)["offset"] = payload.numel()  # past the end of the payload
-    elif name == "overlap":
-        _leaf(header)["offset"] = 0  # over frame_idx
-    elif name == "nbytes":
-        _leaf(header)["nbytes"] -= 4  # shape x itemsize != bytes
+    elif name == "pieces":
+        group["pieces"][0] = [1 << 40]  # rows that are not the group's: a terabyte piece
+    elif name == "runs":
+        group["runs"] = group["rows"] + 1  # more runs than rows
+    elif name == "index":
+        prelude[5] += 64  # more payload than the frame index the groups announce
     elif name == "dtype":
-        _leaf(header)["dtype"] = "complex128"
-        header["parts"][0]["layout"]["leaves"][0]["dtype"] = "complex128"
+        group["layout"]["leaves"][0]["dtype"] = "complex128"
+    elif name == "file_ids":
+        payload[64 : 64 + 8].view(torch.int64).fill_(7)  # a run naming file 7 of 1
     elif name == "pickle":
         raw = pickle.dumps(MakesAFile(evidence))
     if raw is None:
         raw = encode_json(header)
     if prelude[4] == 0:
         prelude[4] = len(raw)
+    if prelude[5] != payload.numel() and prelude[5] < 1 << 20:
+        payload = torch.cat([payload, torch.zeros(prelude[5] - payload.numel(), dtype=torch.uint8)])
     return prelude, raw, payload
 
 

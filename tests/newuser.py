@@ -111,8 +111,8 @@ def case_uneven_finish(how: str, busy: str, seconds: float, timeout: float, out:
         return {"frames": summary.frames if summary else None, "waited": time.monotonic() - start}
     if slow and busy == "dst":  # rank dst busy inside gather (a slow merge): its senders wait for the answer
         g = sys.modules["tdgather.gather"]  # the module (tdgather.gather is the function)
-        real = g.merge
-        g.merge = lambda *a, **k: (time.sleep(seconds), real(*a, **k))[1]
+        real = g._Receive._result
+        g._Receive._result = lambda *a, **k: (time.sleep(seconds), real(*a, **k))[1]
     result = tdgather.gather(frames, timeout=timeout)
     return {"frames": result.stats.frames if result else None, "waited": time.monotonic() - start}
 

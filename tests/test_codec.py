@@ -1,4 +1,4 @@
-"""Pure tests of the frame store and the wire codec: pack -> validate -> unpack."""
+"""Pure tests of the frame store and the wire codec: pack -> validate -> place."""
 
 import json
 import warnings
@@ -12,16 +12,15 @@ import tdgather
 from tdgather._dtypes import DTYPES
 from tdgather.errors import ProtocolError, ShapeMismatchError, UnsupportedValueError
 from tdgather.merge import merge
-from tdgather.wire import ALIGN, Kind, Limits, Prelude, decode_header, decode_json, encode_json, pack, unpack
+from tdgather.pack import PIECE_MIN, pack
+from tdgather.wire import Kind, Limits, Prelude, decode_header, decode_index, decode_json, encode_json
 
-from .cases import bits, value
+from .cases import bits, value, wire_roundtrip
 
 
 def roundtrip(store: tdgather.FrameStore, rank: int = 0):
-    header, payload = pack(store)
-    raw = encode_json(header)
-    parsed = decode_json(raw, rank, Limits())
-    return unpack(decode_header(parsed, Kind.DATA, rank, payload.numel()), payload, rank), header, payload
+    parts, packed = wire_roundtrip(store, rank)
+    return parts, packed.header, packed
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -32,7 +31,7 @@ def test_every_dtype_and_shape_roundtrips_bit_exactly(dtype, shape):
         frames["nan"] = (0, torch.tensor([float("nan"), -0.0, float("inf")]).to(dtype))
     store = tdgather.FrameStore()
     store.update(frames)
-    parts, _, payload = roundtrip(store)
+    parts, _, _ = roundtrip(store)
     result = merge(parts)
     merged = result.files
     assert result.duplicates.dropped == 0
@@ -43,9 +42,6 @@ def test_every_dtype_and_shape_roundtrips_bit_exactly(dtype, shape):
         for row, (_, v) in enumerate(sorted(pairs, key=lambda p: p[0])):
             assert got.frames[row].dtype == dtype and got.frames[row].shape == v.shape
             assert torch.equal(bits(got.frames[row]), bits(v))
-    for part in parts:  # unpacked as views of the one payload, no copies
-        for t in part.leaves:
-            assert t.untyped_storage().data_ptr() == payload.untyped_storage().data_ptr()
 
 
 def test_non_contiguous_and_batched_input():
@@ -60,20 +56,48 @@ def test_non_contiguous_and_batched_input():
     assert torch.equal(merged["b"].frames, src[[3, 1]])
 
 
-def test_padding_is_alignment_only():
+def test_the_wire_carries_the_frame_bytes_and_a_small_index():
     store = tdgather.FrameStore()
     store.update({f"f{i}": [(j, torch.zeros(16)) for j in range(100)] for i in range(4)})
-    header, payload = pack(store)
-    data = 4 * 100 * (16 * 4 + 4)  # int32 frame_idx: every index fits
-    assert data <= payload.numel() < data + 2 * ALIGN * len(header["parts"])
+    packed = pack(store)
+    assert sum(t.numel() for piece in packed.pieces for t in piece) == 4 * 100 * 16 * 4  # no padding
+    runs = 16 * len(store.names)  # (file id, rows) per run: the frames of a file are added together here
+    assert packed.index.numel() <= 4 * 100 * 4 + runs + 2 * 64  # int32 frame_idx: every index fits
+
+
+def test_large_batches_go_on_the_wire_as_they_are_and_small_ones_are_joined():
+    store = tdgather.FrameStore(copy=False)
+    big = torch.randn(64, PIECE_MIN // 4 // 32)  # 64 frames, 2 x PIECE_MIN bytes
+    small = [torch.randn(4, big.shape[1]) for _ in range(3)]  # 4 frames: far under PIECE_MIN
+    store.add(["a"] * 64, torch.arange(64), big)
+    for k, t in enumerate(small):
+        store.add(["b"] * 4, torch.arange(4 * k, 4 * k + 4), t)
+    packed = pack(store)
+    assert [len(p) for p in packed.pieces] == [1, 3]  # one batch sent as it is; three small ones joined
+    assert packed.pieces[0][0].data_ptr() == big.data_ptr()  # no copy
+    assert packed.header["groups"][0]["pieces"] == [[64, 12]]
+    parts, _, _ = roundtrip(store)
+    out = merge(parts).files
+    assert torch.equal(out["a"].frames, big) and torch.equal(out["b"].frames, torch.cat(small))
+
+
+def test_a_batch_larger_than_a_piece_is_cut_into_whole_rows():
+    from tdgather.pack import PIECE_MAX
+
+    store = tdgather.FrameStore(copy=False)
+    rows = torch.randn(5, PIECE_MAX // 4 // 2 + 1)  # a row just over half a piece: one row per piece
+    store.add("a", torch.arange(5), rows)
+    packed = pack(store)
+    assert packed.header["groups"][0]["pieces"] == [[1, 1, 1, 1, 1]]
+    assert torch.equal(merge(roundtrip(store)[0]).files["a"].frames, rows)
 
 
 def test_large_frame_indices_travel_as_int64():
     store = tdgather.FrameStore()
     store.add("a", torch.tensor([2**40, 5]), torch.zeros(2, 1))
     parts, header, _ = roundtrip(store)
-    assert header["parts"][0]["frame_idx"]["dtype"] == "int64"
-    assert parts[0].frame_idx.tolist() == [5, 2**40]
+    assert header["groups"][0]["index"] == "int64"
+    assert parts[0].frame_idx.tolist() == [2**40, 5]  # in the sender's order; rank dst sorts
 
 
 def test_store_forms_and_counts():
@@ -261,8 +285,11 @@ def test_prelude_validation():
         with pytest.raises(ProtocolError, match=rf"from rank 1 in prelude\.{field}: expected"):
             Prelude.decode(t, 1, 0, Limits(max_payload_bytes=1 << 40))
     done_with_payload = Prelude(Kind.DONE, 0, 10, 5, 1).encode()
-    with pytest.raises(ProtocolError, match="0 for a done or error message"):
+    with pytest.raises(ProtocolError, match="0 for done or error"):
         Prelude.decode(done_with_payload, 1, 0, Limits())
+    piece_with_header = Prelude(Kind.PIECE, 0, 10, 5, 1).encode()
+    with pytest.raises(ProtocolError, match="prelude.header_len: expected 0 for a piece"):
+        Prelude.decode(piece_with_header, 1, 0, Limits())
 
 
 @pytest.mark.parametrize(
@@ -283,54 +310,71 @@ def test_header_json_is_strict(raw, problem):
 def _valid_header():
     store = tdgather.FrameStore()
     store.update({"a": [(0, torch.zeros(2, 3)), (1, torch.ones(2, 3))], "b": (0, torch.ones(2, 3))})
-    header, payload = pack(store)
-    return json.loads(encode_json(header)), payload.numel()
+    packed = pack(store)
+    return json.loads(encode_json(packed.header)), packed.index
 
 
-def test_header_schema_checks_ranges_overlaps_and_sizes():
-    header, n = _valid_header()
+def test_header_schema_checks_rows_pieces_runs_and_sizes():
+    header, index = _valid_header()
+    n = index.numel()
     assert decode_header(header, Kind.DATA, 1, n).num_frames == 3
+
+    def refused(change, match, payload_len=n):
+        bad = json.loads(json.dumps(header))
+        change(bad["groups"][0])
+        with pytest.raises(ProtocolError, match=match):
+            decode_header(bad, Kind.DATA, 1, payload_len)
+
+    refused(lambda g: g["pieces"][0].append(1), r"pieces\[0\]: expected piece row counts >= 1 that sum to 3")
+    refused(lambda g: g["pieces"].__setitem__(0, [1 << 40]), r"pieces\[0\]: expected piece row counts")
+    refused(lambda g: g.__setitem__("rows", 0), r"rows: expected at least 1")
+    refused(lambda g: g.__setitem__("runs", 4), r"runs: expected an integer in 0..3")
+    refused(lambda g: g.__setitem__("index", "float32"), r"index: expected 'int32' or 'int64'")
+    refused(lambda g: g["layout"]["leaves"][0].__setitem__("dtype", "complex128"), "a supported dtype name")
+    refused(lambda g: g.__setitem__("extra", 1), r"header.groups\[0\]: expected an object with keys")
+    refused(lambda g: g["json"].append([]), r"json: expected a list of 0 items")
+    refused(
+        lambda g: g.__setitem__(
+            "layout",
+            {
+                "kind": "tree",
+                "cls": None,
+                "json": [["x", "y"]],
+                "leaves": [{"path": ["x"], "dtype": "float32", "shape": [3]}],
+            },
+        ),
+        r"layout.leaves: expected distinct non-empty paths, none inside another",
+    )  # a hostile layout that rebuild() could not set: refused on receipt
     bad = json.loads(json.dumps(header))
-    bad["parts"][0]["leaves"][0]["offset"] = n  # outside the payload
-    with pytest.raises(ProtocolError, match=r"leaves\[0\].offset: expected a multiple of 64 with offset \+ nbytes"):
-        decode_header(bad, Kind.DATA, 1, n)
-    bad = json.loads(json.dumps(header))
-    bad["parts"][0]["leaves"][0]["offset"] = 0  # overlaps frame_idx
-    with pytest.raises(ProtocolError, match="byte ranges that do not overlap"):
-        decode_header(bad, Kind.DATA, 1, n)
-    bad = json.loads(json.dumps(header))
-    bad["parts"][0]["leaves"][0]["nbytes"] += 4
-    with pytest.raises(ProtocolError, match=r"nbytes: expected prod\(shape\) \* itemsize = 72"):
-        decode_header(bad, Kind.DATA, 1, n)
-    bad = json.loads(json.dumps(header))
-    bad["parts"][0]["leaves"][0]["dtype"] = "complex128"
-    with pytest.raises(ProtocolError, match="a supported dtype name"):
-        decode_header(bad, Kind.DATA, 1, n)
-    bad = json.loads(json.dumps(header))
-    bad["parts"][0]["counts"] = [1, 1]
-    with pytest.raises(ProtocolError, match=r"frame_idx: expected int32\[2\]"):
-        decode_header(bad, Kind.DATA, 1, n)
-    bad = json.loads(json.dumps(header))
-    bad["parts"][0]["files"] = ["a", "a"]
+    bad["files"] = ["a", "a"]
     with pytest.raises(ProtocolError, match="distinct filenames"):
         decode_header(bad, Kind.DATA, 1, n)
-    bad = json.loads(json.dumps(header))
-    bad["parts"][0]["extra"] = 1
-    with pytest.raises(ProtocolError, match=r"header.parts\[0\]: expected an object with keys"):
-        decode_header(bad, Kind.DATA, 1, n)
-    with pytest.raises(ProtocolError, match=r"prelude.payload_len: expected at most \d+ \(the end of the last leaf\)"):
-        decode_header(header, Kind.DATA, 1, n + 4096)  # bytes no leaf announces are never allocated
-    bad = json.loads(json.dumps(header))
-    bad["parts"][0]["layout"] = {
-        "kind": "tree",
-        "cls": None,
-        "json": [["x", "y"]],
-        "leaves": [{"path": ["x"], "dtype": "float32", "shape": [3]}],
-    }
-    with pytest.raises(ProtocolError, match=r"layout.leaves: expected distinct non-empty paths, none inside another"):
-        decode_header(bad, Kind.DATA, 1, n)  # a hostile layout that rebuild() could not set: refused on receipt
-    with pytest.raises(ProtocolError, match=r"prelude.payload_len: expected at most 0"):
-        decode_header({"parts": []}, Kind.DATA, 1, 1 << 30)  # a heartbeat with a 1 GiB payload
+    with pytest.raises(
+        ProtocolError, match=r"prelude.payload_len: expected \d+ \(the frame index the groups announce\)"
+    ):
+        decode_header(header, Kind.DATA, 1, n + 4096)  # bytes nothing announces are never allocated
+    with pytest.raises(ProtocolError, match=r"prelude.payload_len: expected 0"):
+        decode_header({"files": [], "groups": []}, Kind.DATA, 1, 1 << 30)  # a heartbeat with a 1 GiB payload
+    max_piece = Limits(max_payload_bytes=40)  # a piece of 3 frames of 24 bytes is over it
+    with pytest.raises(ProtocolError, match=r"pieces\[0\]: expected pieces of at most 40 bytes, got 72"):
+        decode_header(header, Kind.DATA, 1, n, max_piece)
+
+
+def test_frame_index_runs_are_checked_before_use():
+    header, index = _valid_header()
+    parsed = decode_header(header, Kind.DATA, 1, index.numel())
+    ids, idx = decode_index(parsed, index, 1)[0]
+    assert ids.tolist() == [0, 0, 1] and idx.tolist() == [0, 1, 0]
+    runs_at = 64  # after the int32 frame_idx of 3 rows, aligned
+    for field, wrong, match in [
+        (0, 2, r"file ids in 0..1"),
+        (1, 0, r"row counts >= 1 that sum to 3"),
+        (1, 5, r"row counts >= 1 that sum to 3"),
+    ]:
+        bad = index.clone()
+        bad[runs_at : runs_at + 16].view(torch.int64)[field] = wrong
+        with pytest.raises(ProtocolError, match=rf"header.groups\[0\].runs\[\]: expected {match}"):
+            decode_index(parsed, bad, 1)
 
 
 @settings(max_examples=300, deadline=None)
@@ -353,7 +397,8 @@ _json_values = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_header_parser_on_mutated_valid_headers(data):
-    header, n = _valid_header()
+    header, index = _valid_header()
+    n = index.numel()
     path = []
     node = header
     while isinstance(node, dict | list) and node and data.draw(st.booleans()):
@@ -368,11 +413,9 @@ def test_header_parser_on_mutated_valid_headers(data):
     parent[path[-1]] = data.draw(_json_values)
     try:
         parsed = decode_header(header, Kind.DATA, 2, n)
+        decode_index(parsed, index, 2)  # whatever still validates must decode inside the payload
     except ProtocolError as e:
         assert e.rank == 2
-        return
-    # whatever still validates must unpack inside the payload
-    unpack(parsed, torch.zeros(n, dtype=torch.uint8), 2)
 
 
 @settings(max_examples=60, deadline=None)

@@ -169,10 +169,11 @@ CORRUPTIONS = {  # row 5, 6, 7, 8: name -> the field the error must name
     "nan": "header",
     "duplicate_keys": "header",
     "deep": "header",
-    "outside": "header.parts[0].leaves[0].offset",
-    "overlap": "header.parts[0].leaves[0]",
-    "nbytes": "header.parts[0].leaves[0].nbytes",
-    "dtype": "header.parts[0].layout.leaves[0].dtype",
+    "pieces": "header.groups[0].pieces[0]",
+    "runs": "header.groups[0].runs",
+    "index": "prelude.payload_len",
+    "dtype": "header.groups[0].layout.leaves[0].dtype",
+    "file_ids": "header.groups[0].runs[]",
     "pickle": "header",
 }
 
@@ -186,7 +187,7 @@ def test_rows5to8_corrupted_messages_from_real_peers(tmp_path):
         assert got["type"] == "ProtocolError", (name, got)
         assert got["rank"] == rank and got["field"] == CORRUPTIONS[name], (name, got)
         assert f"protocol error from rank {rank} in {CORRUPTIONS[name]}: expected" in got["message"]
-        # refused before the payload (1 MiB), or a header over the cap, was allocated
+        # refused before any piece (1 MiB), or a header over the cap, was allocated
         assert got["largest_allocation"] < 64 << 10, (name, got)
     assert not evidence.exists()  # row 8: the pickle in the header never ran
 

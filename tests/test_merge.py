@@ -1,6 +1,5 @@
-"""Merge across ranks, pure: parts built by packing one store per simulated rank."""
+"""Merge across ranks, pure: parts built by packing one store per simulated rank and reading it back."""
 
-import json
 import re
 
 import pytest
@@ -10,32 +9,30 @@ import tdgather
 from tdgather.duplicates import DuplicateCounts, DuplicatePolicy
 from tdgather.errors import DuplicateFrameError, ShapeMismatchError
 from tdgather.merge import merge
-from tdgather.wire import Kind, decode_header, encode_json, pack, unpack
 
-from .cases import value
+from .cases import value, wire_roundtrip
 
 
 def parts_of(*per_rank: dict):
-    parts, payloads = [], []
+    parts, packed = [], []
     for rank, preds in enumerate(per_rank):
         store = tdgather.FrameStore()
         store.update(preds)
         if not len(store):
             continue
-        header, payload = pack(store)
-        parsed = json.loads(encode_json(header))
-        parts += unpack(decode_header(parsed, Kind.DATA, rank, payload.numel()), payload, rank)
-        payloads.append(payload)
-    return parts, payloads
+        got, p = wire_roundtrip(store, rank)
+        parts += got
+        packed.append(p)
+    return parts, packed
 
 
 def frames(name, idxs, shape=(4,)):
     return [(i, value(name, i, shape)) for i in idxs]
 
 
-def test_whole_files_are_views_and_split_files_are_copied_once():
+def test_files_whole_or_split_over_ranks_are_merged_into_one_buffer_per_layout():
     # rank 0 ends with "m.mp4", rank 1 starts with it: adjacent in the concatenation, still split
-    parts, payloads = parts_of(
+    parts, _ = parts_of(
         {"a.mp4": frames("a.mp4", [2, 0, 1]), "m.mp4": frames("m.mp4", [0, 2])},
         {"m.mp4": frames("m.mp4", [1, 3]), "z.mp4": frames("z.mp4", [5])},
     )
@@ -47,10 +44,11 @@ def test_whole_files_are_views_and_split_files_are_copied_once():
     for name, f in out.items():
         want = torch.stack([value(name, int(i), (4,)) for i in f.frame_idx])
         assert torch.equal(f.frames, want)
-    ptrs = {p.untyped_storage().data_ptr() for p in payloads}
-    assert out["a.mp4"].frames.untyped_storage().data_ptr() in ptrs
-    assert out["z.mp4"].frames.untyped_storage().data_ptr() in ptrs
-    assert out["m.mp4"].frames.untyped_storage().data_ptr() not in ptrs
+    (group,) = merged.groups  # one layout: one columnar buffer, files in order
+    assert group.files == ["a.mp4", "m.mp4", "z.mp4"] and group.counts == [3, 4, 1]
+    assert {f.frames.untyped_storage().data_ptr() for f in out.values()} == {
+        group.leaves[0].untyped_storage().data_ptr()
+    }
 
 
 def test_identical_duplicates_within_and_across_ranks_are_dropped_and_counted_exact():
@@ -154,19 +152,16 @@ def test_json_leaves_follow_their_rows():
     assert out["v"].frames["label"] == ["r0-0", "r1-1", "r1-3", "r0-4"]
 
 
-def test_own_large_chunks_are_merged_without_packing():
-    from tdgather.wire import local_parts
-
-    store = tdgather.FrameStore(copy=False)  # by reference: the merge may return views of the user's tensors
+def test_own_chunks_are_merged_from_the_store_without_packing():
+    store = tdgather.FrameStore(copy=False)
     big = [torch.full((300, 1024), float(k)) for k in range(3)]  # 1.2 MB batches
-    store.add(["a"] * 300, list(range(300)), big[0])  # a whole file, in order: a view of the user's tensor
+    store.add(["a"] * 300, list(range(300)), big[0])
     store.add(["b"] * 150 + ["c"] * 150, list(range(150, 300)) + list(range(150)), big[1])
     store.add(["b"] * 150 + ["c"] * 150, list(range(150)) + list(range(150, 300)), big[2])
-    parts = local_parts(store, 0)
-    assert len(parts) == 3  # no pack: the store's own chunks
-    assert parts[0].leaves[0].data_ptr() == big[0].data_ptr()
-    out = merge(parts).files
-    assert out["a"].frames.untyped_storage().data_ptr() == big[0].untyped_storage().data_ptr()
+    (part,) = store.parts(0)
+    assert [c[0].data_ptr() for c in part.chunks] == [t.data_ptr() for t in big]  # the store's own batches
+    out = merge([part]).files
+    assert torch.equal(out["a"].frames, big[0])
     assert out["b"].frame_idx.tolist() == list(range(300)) and out["c"].frame_idx.tolist() == list(range(300))
     assert torch.equal(out["b"].frames[:150], big[2][:150]) and torch.equal(out["b"].frames[150:], big[1][:150])
     assert torch.equal(out["c"].frames[:150], big[1][150:]) and torch.equal(out["c"].frames[150:], big[2][150:])

@@ -176,7 +176,7 @@ def test_a_file_that_appears_during_the_write_is_kept_with_the_old_dataset(tmp_p
 
 
 def test_a_failed_save_leaves_no_partial_directory(tmp_path):
-    bad = tdgather.gather({"a": (0, torch.ones(1))})
+    bad = dict(tdgather.gather({"a": (0, torch.ones(1))}))
     bad["b"] = "not frames"
     with pytest.raises(Exception):  # noqa: B017 - any error: the point is what stays on disk
         tdgather.save(bad, tmp_path / "ds")

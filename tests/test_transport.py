@@ -10,7 +10,8 @@ import torch.distributed as dist
 import tdgather
 from tdgather import transport
 from tdgather.errors import PeerError
-from tdgather.gather import _receive_stream, _send
+from tdgather.gather import _send
+from tdgather.protocol import expect_done, read_frames
 from tdgather.transport import Channel
 from tdgather.wire import MAGIC, VERSION, Kind, Prelude, encode_json
 
@@ -64,25 +65,31 @@ def test_sender_sequence_and_receiver_replay(wire):
     _send(preds, Channel(None, 0, timedelta(seconds=5)))
     dsts, tensors = zip(*wire.sent, strict=True)
     assert set(dsts) == {0}
-    # 1. data prelude, 2. header, 3. payload, 4. done prelude, 5. done header
-    assert len(tensors) == 5
-    p0, p3 = tensors[0].tolist(), tensors[3].tolist()
+    # 1. data prelude, 2. header, 3. frame index, 4. piece prelude, 5. piece, 6. done prelude, 7. done header
+    assert len(tensors) == 7
+    p0, p3, p5 = tensors[0].tolist(), tensors[3].tolist(), tensors[5].tolist()
     assert p0[:4] == [MAGIC, VERSION, Kind.DATA, 0] and p0[4] == tensors[1].numel() and p0[5] == tensors[2].numel()
-    assert p3[:4] == [MAGIC, VERSION, Kind.DONE, 1] and p3[5] == 0 and p3[6] == 1
-    assert bytes(tensors[4].tolist()) == b'{"frames":3}'
+    assert p3[:6] == [MAGIC, VERSION, Kind.PIECE, 1, 0, 48] and tensors[4].numel() == 48  # 3 frames of 16 bytes
+    assert p5[:4] == [MAGIC, VERSION, Kind.DONE, 2] and p5[5] == 0 and p5[6] == 1
+    assert bytes(tensors[6].tolist()) == b'{"frames":3}'
     # replay the stream into rank 0's receiver
     wire.rank = 0
     wire.inbox[1] = deque(tensors)
-    parts = []
-    _receive_stream(Channel(None, 1, timedelta(seconds=5)), parts)
+    ch = Channel(None, 1, timedelta(seconds=5))
+    parts = read_frames(ch, ch.recv())
+    expect_done(ch, ch.recv(), 3)
     assert [p.files for p in parts] == [["a.mp4", "b.mp4"]] and parts[0].rank == 1
-    assert parts[0].frame_idx.tolist() == [0, 1, 4]
+    assert parts[0].frame_idx.tolist() == [1, 0, 4] and parts[0].file_ids.tolist() == [0, 0, 1]  # the sender's order
+    assert torch.equal(
+        parts[0].chunks[0][0], torch.stack([torch.ones(2, 2), torch.zeros(2, 2), torch.full((2, 2), 3.0)])
+    )
 
 
-def test_empty_sender_sends_done_only(wire):
+def test_empty_sender_sends_an_empty_data_message_then_done(wire):
     wire.inbox[0] = deque(answer(Kind.DONE, {"frames": 0}))
     _send({}, Channel(None, 0, timedelta(seconds=5)))
-    assert [t.tolist()[2] for _, t in wire.sent[::2]] == [Kind.DONE]
+    assert [t.tolist()[2] for _, t in wire.sent[::2]] == [Kind.DATA, Kind.DONE]
+    assert bytes(wire.sent[1][1].tolist()) == b'{"files":[],"groups":[]}'
 
 
 def test_sender_raises_when_destination_answers_error(wire):
