@@ -105,10 +105,7 @@ def raw_p2p_warm(d: RankData) -> None:
 
 
 def tdgather_store(d: RankData) -> None:
-    store = tdgather.FrameStore()
-    for names, idx, frames in d.batches:
-        store.add(names, idx, frames)
-    tdgather.gather(store)
+    _gathered(d)
 
 
 def tdgather_gather(d: RankData) -> None:
@@ -120,12 +117,17 @@ def tdgather_gather(d: RankData) -> None:
     tdgather.gather(d._store)
 
 
-def tdgather_in_hand(d: RankData) -> None:
-    """tdgather_store, then every file's Frames built (the result is lazy: this is what access costs)."""
+def _gathered(d: RankData):
+    """tdgather_store's call: `FrameStore.add` per batch (copying), then `tdgather.gather`."""
     store = tdgather.FrameStore()
     for names, idx, frames in d.batches:
         store.add(names, idx, frames)
-    result = tdgather.gather(store)
+    return tdgather.gather(store)
+
+
+def tdgather_in_hand(d: RankData) -> None:
+    """tdgather_store, then every file's Frames built (the result is lazy: this is what access costs)."""
+    result = _gathered(d)
     if result is not None:
         for name in result:
             result[name].frames  # noqa: B018 (built on access)
@@ -133,10 +135,7 @@ def tdgather_in_hand(d: RankData) -> None:
 
 def tdgather_save(d: RankData) -> None:
     """tdgather_store, then `tdgather.save` of the result (written from the received buffers, fsynced)."""
-    store = tdgather.FrameStore()
-    for names, idx, frames in d.batches:
-        store.add(names, idx, frames)
-    result = tdgather.gather(store)
+    result = _gathered(d)
     if result is not None:
         d.calls += 1
         tdgather.save(result, os.path.join(d.scratch, f"save-{d.token}-{d.calls}"))

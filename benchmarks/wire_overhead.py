@@ -2,8 +2,9 @@
 
 Run: ``python -m benchmarks.wire_overhead`` (world sizes 2 and 4).
 
-Wire bytes per sender = preludes + JSON headers + payload. Padding is the
-alignment between leaves: payload minus the leaf and frame-index bytes.
+Wire bytes per sender = preludes + JSON headers + the frame index (the data message's payload:
+frame_idx and (file id, rows) runs) + the pieces. Pieces carry the frame bytes exactly, so the
+only padding is the alignment inside the frame index.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import argparse
 
 from tdgather import FrameStore
-from tdgather.wire import PRELUDE_LEN, encode_json, pack
+from tdgather.pack import pack
+from tdgather.wire import PRELUDE_LEN, encode_json
 
 from .workloads import WORKLOADS, batches, describe
 
@@ -27,11 +29,13 @@ def measure(name: str, world: int) -> dict:
         header_bytes += len(encode_json({"frames": len(store)}))
         if not len(store):
             continue
-        header, payload = pack(store)
-        preludes += 8 * PRELUDE_LEN
-        header_bytes += len(encode_json(header))
-        payload_bytes += payload.numel()
-        index_bytes += sum(p["frame_idx"]["nbytes"] for p in header["parts"])
+        packed = pack(store)
+        preludes += 8 * PRELUDE_LEN * (1 + len(packed.pieces))
+        header_bytes += len(encode_json(packed.header))
+        payload_bytes += packed.index.numel() + sum(t.numel() for piece in packed.pieces for t in piece)
+        index_bytes += sum(
+            g["rows"] * (4 if g["index"] == "int32" else 8) + 16 * g["runs"] for g in packed.header["groups"]
+        )
     padding = payload_bytes - frame_bytes - index_bytes
     wire = preludes + header_bytes + payload_bytes
     return {

@@ -43,7 +43,6 @@ from .store import FrameStore, as_store
 from .transport import (
     Answers,
     Channel,
-    Message,
     as_timeout,
     begin_call,
     heartbeat_interval,
@@ -211,13 +210,12 @@ class _Receive:
         self.policy, self.start = policy, start
         self.errors: dict[int, BaseException] = {}
         self.parts: dict[int, list[Part]] = {r: [] for r in sorted([rank, *channels])}
-        self.plans: dict[int, Message] = {}
         self.planned = {p: threading.Event() for p in channels}
         self.placed = threading.Event()
         self.placements: list[tuple[Placement, list[Part]]] = []
         self.buffers: list[list[torch.Tensor]] = []
         self.landed: list[torch.Tensor] = []
-        self.dest: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (rank, group) -> placement, rows
+        self.dest: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (rank, id(part)) -> placement, rows
         self.discard = False  # placing failed: read the pieces only to keep the streams in step
         # a frame index still missing after this long: every peer's pieces are received as they
         # come and merged at the end, so that a straggler's timeout (which closes every gloo pair

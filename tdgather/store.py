@@ -1,4 +1,4 @@
-"""Stage 1, the per-rank frame store: predictions in, sorted groups out.
+"""Stage 1, the per-rank frame store: predictions in, groups of batches out (by layout).
 
 Frames are grouped by `Layout` (structure, dtypes, per-frame shapes), so a
 group is a variable-length stack of same-shaped frames: it needs no padding.
