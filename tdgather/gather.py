@@ -299,11 +299,10 @@ class _Receive:
             except BaseException:
                 self.parts[peer] = []  # what it sent is not whole
                 raise
-            expect_done(ch, ch.recv(), msg.header.num_frames)
-            return
-        landing = _Landing(self, peer, msg.header)
-        landing.start()
-        read_pieces(ch, msg.header, landing.land)
+        else:
+            landing = _Landing(self, peer, msg.header)
+            landing.start()
+            read_pieces(ch, msg.header, landing.land)
         expect_done(ch, ch.recv(), msg.header.num_frames)
 
     def _place(self) -> None:
@@ -324,9 +323,7 @@ class _Receive:
 
     def _result(self) -> Gathered:
         if self.late:
-            merged = merge(
-                [p for r in sorted(self.parts) for p in self.parts[r] if p.chunks or not p.layout.leaves], self.policy
-            )
+            merged = merge([p for r in sorted(self.parts) for p in self.parts[r]], self.policy)  # lowest rank first
             return self._gathered(merged.groups, merged.duplicates)
         groups, found = [], DuplicateCounts()
         for (placement, _), buffers, landed in zip(self.placements, self.buffers, self.landed, strict=True):

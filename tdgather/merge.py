@@ -64,6 +64,6 @@ def ranks_of(parts: list[Part]) -> dict[str, set[int]]:
     """For each filename, the ranks whose parts hold frames of it."""
     ranks: dict[str, set[int]] = {}
     for part in parts:
-        for name in part.names():
+        for name in part.names:
             ranks.setdefault(name, set()).add(part.rank)
     return ranks

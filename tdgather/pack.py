@@ -66,7 +66,7 @@ def pack(store: FrameStore) -> Packed:
             }
         )
         index.append((idx.to(index_dtype), torch.stack([run_ids, run_rows], dim=1)))
-        specs.append(_Spec(idx.numel(), index_dtype, run_ids.numel()))
+        specs.append((idx.numel(), index_dtype.itemsize, run_ids.numel()))
     payload = None
     if specs:
         offsets = index_offsets(specs)
@@ -76,13 +76,6 @@ def pack(store: FrameStore) -> Packed:
                 payload[at : at + t.numel() * t.element_size()].view(t.dtype).copy_(t.reshape(-1))
     header = {"files": store.names, "groups": groups}
     return Packed(header, payload, pieces, len(store))
-
-
-@dataclass
-class _Spec:
-    rows: int
-    index_dtype: torch.dtype
-    runs: int
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

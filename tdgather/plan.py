@@ -18,6 +18,7 @@ buffer per leaf). `Frames` are built from a group only when a file is accessed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -56,8 +57,9 @@ class Part:
         """Tensor bytes of its frames."""
         return self.num_frames * self.layout.frame_nbytes
 
+    @cached_property
     def names(self) -> list[str]:
-        """The filenames its rows use."""
+        """The filenames its rows use (found once: placement and merge both ask)."""
         return [self.files[i] for i in torch.unique(self.file_ids).tolist()]
 
 
@@ -187,7 +189,7 @@ def place(parts: list[Part]) -> list[tuple[Placement, list[Part]]]:
     for part in parts:
         if not part.num_frames:
             continue
-        for name in part.names():
+        for name in part.names:
             layout, rank = owner.setdefault(name, (part.layout, part.rank))
             if layout != part.layout:
                 raise ShapeMismatchError(
@@ -200,7 +202,7 @@ def place(parts: list[Part]) -> list[tuple[Placement, list[Part]]]:
 
 
 def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
-    names = sorted({n for p in parts for n in p.names()})
+    names = sorted({n for p in parts for n in p.names})
     fid = {n: i for i, n in enumerate(names)}
     fids = torch.cat([torch.tensor([fid.get(n, -1) for n in p.files], dtype=torch.int64)[p.file_ids] for p in parts])
     idx = torch.cat([p.frame_idx for p in parts])

@@ -184,7 +184,7 @@ class DataHeader:
     @property
     def index_nbytes(self) -> int:
         """The length of the message's payload: every group's frame index."""
-        return index_offsets(self.groups)[-1]
+        return index_offsets([(g.rows, g.index_dtype.itemsize, g.runs) for g in self.groups])[-1]
 
     def pieces(self) -> list[tuple[int, int, int, int]]:
         """The piece messages that follow, in order: ``(group, leaf, first row, rows)``."""
@@ -198,18 +198,18 @@ class DataHeader:
         return out
 
 
-def index_offsets(groups: Any) -> list[int]:
+def index_offsets(sizes: list[tuple[int, int, int]]) -> list[int]:
     """Where each group's frame_idx and runs start in a data payload, and (last) its length.
 
-    Per group: ``frame_idx [rows]`` (its index dtype), then ``runs int64 [runs, 2]`` (file id,
-    row count), each at a multiple of `ALIGN`.
+    ``sizes`` holds per group ``(rows, index itemsize, runs)``. Per group: ``frame_idx [rows]``
+    (its index dtype), then ``runs int64 [runs, 2]`` (file id, row count), each at a multiple of `ALIGN`.
     """
     out, offset = [], 0
-    for g in groups:
+    for rows, itemsize, runs in sizes:
         out.append(offset)
-        offset = _aligned(offset + g.rows * g.index_dtype.itemsize)
+        offset = _aligned(offset + rows * itemsize)
         out.append(offset)
-        offset = _aligned(offset + g.runs * 16)
+        offset = _aligned(offset + runs * 16)
     return [*out, offset]
 
 
@@ -363,7 +363,7 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
 def decode_index(header: DataHeader, payload: torch.Tensor | None, src: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each group's ``(file_ids, frame_idx)`` (int64 ``[rows]`` each), checked: runs inside ``files``."""
     c = _Check(src)
-    offsets = index_offsets(header.groups)
+    offsets = index_offsets([(g.rows, g.index_dtype.itemsize, g.runs) for g in header.groups])
     out = []
     for i, g in enumerate(header.groups):
         at, runs_at = offsets[2 * i], offsets[2 * i + 1]
