@@ -59,6 +59,7 @@ class RankData:
     last_add: float = 0.0
     calls: int = 0  # Collector runs so far: the same count on every rank, so the same path
     token: int = 0  # chosen by rank 0, the same on every rank
+    written: list[str] = field(default_factory=list)  # outputs to delete after the call, untimed
 
     @staticmethod
     def build(batches: list, scratch: str) -> RankData:
@@ -138,7 +139,7 @@ def tdgather_save(d: RankData) -> None:
     result = _gathered(d)
     if result is not None:
         d.calls += 1
-        tdgather.save(result, os.path.join(d.scratch, f"save-{d.token}-{d.calls}"))
+        d.written.append(tdgather.save(result, os.path.join(d.scratch, f"save-{d.token}-{d.calls}")))
 
 
 def tdgather_dict(d: RankData) -> None:
@@ -148,6 +149,7 @@ def tdgather_dict(d: RankData) -> None:
 def tdgather_collector(d: RankData) -> None:
     d.calls += 1
     path = os.path.join(d.scratch, f"collector-{d.token}-{d.calls}")  # the same path on every rank
+    d.written.append(path)
     with tdgather.Collector(path, memory_budget=d.collector_budget, progress=False) as col:
         for names, idx, frames in d.batches:
             col.add(names, idx, frames)

@@ -160,10 +160,10 @@ class Placement:
         d = self.kept.numel()
         if not d:
             return DuplicateCounts()
-        n = self.num_frames
+        later = torch.arange(self.num_frames, self.num_frames + d)
         verdict = compare(
             self.layout,
-            [b[n : n + d] for b in buffers],
+            [b.index_select(0, later) for b in buffers],
             [b.index_select(0, self.kept) for b in buffers],
             self.later_json,
             [[values[k] for k in self.kept.tolist()] for values in self.json],

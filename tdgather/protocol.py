@@ -15,11 +15,13 @@ heartbeats until then (`tdgather.transport.Answers`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from .errors import ProtocolError
+from .frames import Leaf
 from .pack import PIECE_MIN, PIECE_TARGET, Packed
 from .plan import Part
 from .transport import Channel, Message, peer_error
@@ -108,12 +110,20 @@ def read_pieces(ch: Channel, header: DataHeader, land: Land) -> None:
         pending()
 
 
-def read_frames(ch: Channel, msg: Message) -> list[Part]:
-    """The parts of data message ``msg``, its pieces received into new buffers (the sender's row order)."""
+def read_frames(ch: Channel, msg: Message, take: Callable[[int], torch.Tensor] | None = None) -> list[Part]:
+    """The parts of data message ``msg``, its pieces received in the sender's row order.
+
+    Each leaf's rows land in one buffer: new, or from ``take(nbytes)`` (a uint8 tensor of at least that).
+    """
     header = msg.header
-    columns = [
-        [torch.empty((g.rows, *leaf.shape), dtype=leaf.dtype) for leaf in g.layout.leaves] for g in header.groups
-    ]
+
+    def column(rows: int, leaf: Leaf) -> torch.Tensor:
+        if take is None:
+            return torch.empty((rows, *leaf.shape), dtype=leaf.dtype)
+        nbytes = rows * math.prod(leaf.shape) * leaf.dtype.itemsize
+        return take(nbytes)[:nbytes].view(leaf.dtype).view(rows, *leaf.shape)
+
+    columns = [[column(g.rows, leaf) for leaf in g.layout.leaves] for g in header.groups]
 
     def land(g: int, j: int, first: int, rows: int) -> tuple[torch.Tensor, None]:
         return as_bytes(columns[g][j][first : first + rows]), None

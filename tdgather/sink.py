@@ -27,7 +27,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from ._output import INCOMPLETE_NAME, INDEX_NAME, check_output, fsync_dir, publi
 from .duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
 from .errors import OutputError, ShapeMismatchError
 from .frames import Frames, Layout, flatten
+from .merge import Rows
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
@@ -60,11 +62,13 @@ class DatasetWriter:
     Call order (rank ``dst`` only):
 
     1. ``DatasetWriter(path, ...)`` checks the output and opens ``<path>.partial``;
-    2. ``write(frames)`` any number of times: each call commits one or more shards. A filename
+    2. ``write(frames)`` any number of times: each call writes one or more shards (their fsync and
+       rename into place run on a background thread, overlapping what comes next). A filename
        may appear in several calls; its frames then form several segments, and a frame already
        written is compared with its copy on disk and resolved by the duplicates policy (the
        copy on disk stays; the new one is dropped and counted, or refused);
-    3. ``commit()`` writes the index and moves the dataset into place; or ``abort()``, which
+    3. ``commit()`` waits until every shard is durable, writes the index and moves the dataset
+       into place; or ``abort()``, which
        keeps the committed shards in ``<path>.partial`` and writes no index there, only (given
        the failure) ``tdgather.incomplete.json``, which lists them.
     """
@@ -90,6 +94,9 @@ class DatasetWriter:
         self._ranks: dict[str, set[int]] = {}  # per filename, the ranks whose frames were written
         self._layouts: dict[str, Layout] = {}
         self._written: dict[str, torch.Tensor] = {}  # per filename, frame_idx written, as [start, end] runs
+        self._syncer: ThreadPoolExecutor | None = None  # makes shards durable while the next is written
+        self._syncing: list[tuple[str, Future]] = []
+        self._failed: list[str] = []  # shards whose last step failed: never listed
 
     @property
     def frames(self) -> int:
@@ -129,7 +136,7 @@ class DatasetWriter:
             shard_name = f"shard-{len(self.shards):05d}.safetensors"
             groups, entries, segments = _shard_tensors(shard, shard_name)
             meta = {"format": FORMAT, "shard": shard_name, "groups": json.dumps(groups)}
-            write_safetensors(self.staging / shard_name, entries, meta)
+            write_safetensors(self.staging / shard_name, entries, meta, then=self._in_background(shard_name))
             for (name, layout, idx, _, _, runs), segment in zip(shard, segments, strict=True):
                 entry = self.files.setdefault(name, {"frames": 0, "segments": []})
                 entry["frames"] += segment["frames"]
@@ -162,6 +169,8 @@ class DatasetWriter:
             return idx, tensors, json_values
         from .reader import read_segment
 
+        self._settle()  # the shards read back must be in place
+
         for segment in self.files[name]["segments"]:
             old_idx, old_tensors, old_json = read_segment(self.staging, segment, layout)
             new_pos = (again & torch.isin(idx, old_idx)).nonzero().flatten()
@@ -188,6 +197,7 @@ class DatasetWriter:
 
     def commit(self, metadata: Mapping[str, Any] | None = None) -> Path:
         """Write the index (last), then move the dataset into place; return its path."""
+        self._settle()
         _write_atomic(self.staging / INDEX_NAME, [self._index(metadata)])
         publish(self.staging, self.target, self.overwrite)
         return self.target
@@ -199,10 +209,45 @@ class DatasetWriter:
         (never ``tdgather.index.json``), naming the failure, so ``tdgather.open(path, incomplete=True)``
         reads the frames saved before it.
         """
+        failed = self._settle(raise_first=False)
+        for name in failed:  # a shard that never became durable is not listed
+            self.shards.pop(name, None)
+            for entry in self.files.values():
+                entry["segments"] = [seg for seg in entry["segments"] if seg["shard"] != name]
+                entry["frames"] = sum(seg["frames"] for seg in entry["segments"])
+        self.files = {name: entry for name, entry in self.files.items() if entry["segments"]}
         if failure is not None:
             info = {"type": type(failure).__name__, "message": str(failure), "rank": getattr(failure, "rank", None)}
             _write_atomic(self.staging / INCOMPLETE_NAME, [self._index({**(metadata or {}), "failure": info})])
         return self.staging
+
+    def _in_background(self, shard_name: str) -> Callable[[Callable[[], None]], None]:
+        def submit(finish: Callable[[], None]) -> None:
+            if self._syncer is None:
+                self._syncer = ThreadPoolExecutor(1, thread_name_prefix="tdgather-fsync")
+            self._syncing.append((shard_name, self._syncer.submit(finish)))
+
+        return submit
+
+    def _settle(self, raise_first: bool = True) -> list[str]:
+        """Wait until every shard written is durable and in place; return the names of those that failed.
+
+        Raises:
+            OutputError: the first failure, with ``raise_first``.
+        """
+        first = None
+        for name, future in self._syncing:
+            error = future.exception()
+            if error is not None:
+                self._failed.append(name)
+                first = first or error
+        self._syncing.clear()
+        if self._syncer is not None:
+            self._syncer.shutdown()
+            self._syncer = None
+        if first is not None and raise_first:
+            raise first
+        return self._failed
 
     def _index(self, metadata: Mapping[str, Any] | None) -> bytes:
         index = {
@@ -347,14 +392,20 @@ def _shard_tensors(shard: list, shard_name: str) -> tuple[dict, list, list]:
 
 
 def write_safetensors(
-    path: Path, entries: list[tuple[str, torch.dtype, tuple, list]], metadata: dict[str, str]
+    path: Path,
+    entries: list[tuple[str, torch.dtype, tuple, list]],
+    metadata: dict[str, str],
+    then: Callable[[Callable[[], None]], None] | None = None,
 ) -> None:
     """Write a safetensors file atomically, streaming each tensor from its pieces (no staging copy).
 
     Args:
         path: the final file name; a temporary name beside it is written first.
-        entries: ``(name, dtype, shape, pieces)``; the pieces, concatenated on dim 0, make the tensor.
+        entries: ``(name, dtype, shape, pieces)``; the pieces (tensors, or `tdgather.merge.Rows`),
+            concatenated on dim 0, make the tensor.
         metadata: str -> str, stored as ``__metadata__``.
+        then: given, the last step (fsync, rename into place, fsync the directory) is handed to it
+            to run later, for example on another thread; else it runs before this returns.
     """
     entries = sorted(entries, key=lambda e: -e[1].itemsize)  # keeps every tensor aligned to its itemsize
     header: dict[str, Any] = {"__metadata__": metadata}
@@ -373,44 +424,100 @@ def write_safetensors(
     def chunks():
         yield struct.pack("<Q", len(raw)) + raw
         for _, _, _, pieces in entries:
-            for piece in _coalesce(pieces):
-                yield memoryview(piece.numpy())
+            yield from _byte_views(pieces)
 
-    _write_atomic(path, chunks())
+    _write_atomic(path, chunks(), then)
 
 
-def _coalesce(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The pieces' bytes (uint8), neighbours in one storage joined into one view: one write for a run of files."""
-    out: list[torch.Tensor] = []
+def _byte_views(pieces: list) -> list[memoryview]:
+    """The pieces' bytes in order: neighbours in one storage (or one `Rows`) joined into one view."""
+    out: list = []
     for piece in pieces:
-        if not piece.numel():
+        if not len(piece):
+            continue
+        if isinstance(piece, Rows):
+            if out and isinstance(out[-1], Rows) and piece.follows(out[-1]):
+                piece = Rows(piece.sources, piece.src, piece.row, out.pop().lo, piece.hi)
+            out.append(piece)
             continue
         b = piece.detach().cpu().contiguous().view(-1).view(torch.uint8)
-        if out:
-            last = out[-1]
-            same = last.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-            if same and last.storage_offset() + last.numel() == b.storage_offset():
+        last = out[-1] if out and isinstance(out[-1], torch.Tensor) else None
+        if last is not None and last.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
+            if last.storage_offset() + last.numel() == b.storage_offset():
                 out[-1] = torch.empty(0, dtype=torch.uint8).set_(
                     last.untyped_storage(), last.storage_offset(), (last.numel() + b.numel(),)
                 )
                 continue
         out.append(b)
-    return out
+    views: list[memoryview] = []
+    for x in out:
+        views += x.byte_views() if isinstance(x, Rows) else [memoryview(x.numpy())]
+    return views
 
 
-def _write_atomic(path: Path, chunks: Any) -> None:
+_IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
+_BATCH_BYTES = 64 << 20
+
+
+def _write_all(fd: int, chunks: Iterable) -> None:
+    """Write every chunk in order, gathered into few ``writev`` calls."""
+    batch: list = []
+    size = 0
+    for chunk in chunks:
+        batch.append(chunk)
+        size += len(chunk)
+        if len(batch) >= _IOV_MAX or size >= _BATCH_BYTES:
+            _writev(fd, batch)
+            batch, size = [], 0
+    _writev(fd, batch)
+
+
+def _writev(fd: int, views: list) -> None:
+    k = 0
+    while k < len(views):
+        n = os.writev(fd, views[k : k + _IOV_MAX])
+        while k < len(views) and n >= len(views[k]):
+            n -= len(views[k])
+            k += 1
+        if n:  # a short write stopped inside this buffer
+            views[k] = memoryview(views[k])[n:]
+
+
+def _write_atomic(path: Path, chunks: Any, then: Callable[[Callable[[], None]], None] | None = None) -> None:
+    """Write ``chunks`` to a temporary name beside ``path``, then fsync it, rename it and fsync the directory.
+
+    With ``then``, that last step is handed to it instead of run here (see `write_safetensors`).
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as fh:
-            for chunk in chunks:
-                fh.write(chunk)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise OutputError(f"writing {str(path)!r} failed ({e}); files already committed stay valid") from e
-    except BaseException:
+    try:
+        _write_all(fd, chunks)
+    except BaseException as e:
+        os.close(fd)
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise OutputError(f"writing {str(path)!r} failed ({e}); files already committed stay valid") from e
         raise
-    fsync_dir(path.parent)
+
+    def finish() -> None:
+        try:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise OutputError(f"writing {str(path)!r} failed ({e}); files already committed stay valid") from e
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    if then is None:
+        finish()
+    else:
+        then(finish)

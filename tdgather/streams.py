@@ -2,14 +2,17 @@
 
 `Sender` (every rank but dst) keeps the current chunk, a bounded queue of chunks to send, a
 thread that packs and sends them (with heartbeats when idle), and a thread that waits for rank
-dst's answer. `Destination` (rank dst) receives each peer on its own thread into a bounded
-inbox, and a writer thread merges and commits shards within the memory budget. The call order
-is in `tdgather.collector`.
+dst's answer. `Destination` (rank dst) receives each peer on its own thread, into buffers
+reused from a `tdgather.pool.BufferPool`, and queues the chunks in a bounded inbox; a writer
+thread plans each spill (`tdgather.merge`, rows by reference where they are large) and writes
+its rows in order straight from those buffers, while the previous shard is fsynced on the
+sink's thread; then the buffers go back to the pool. The call order is in `tdgather.collector`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import sys
 import threading
@@ -24,6 +27,7 @@ from .duplicates import DuplicateCounts, DuplicatePolicy
 from .errors import FrameConflictError, PeerLostError
 from .merge import merge
 from .pack import pack
+from .pool import BufferPool
 from .protocol import Joiner, end_stream, expect_done, read_frames, send_frames
 from .sink import DatasetWriter
 from .store import FrameStore
@@ -230,6 +234,8 @@ class Destination(_Side):
         # + the buffer (spill + c) + the merge's copy of split files (spill + c). With the default
         # c = budget / (8 (W + 1)) that is at most budget / 4 + 0.7 budget.
         self.spill_bytes = max(chunk_bytes, col.memory_budget * 35 // 100)
+        # received buffers are reused up to what the budget allows them: the buffer and every chunk in flight
+        self.pool = BufferPool(self.spill_bytes + (col.max_pending + len(peers)) * chunk_bytes)
         try:
             self.writer = DatasetWriter(
                 col.path, overwrite=col.overwrite, max_shard_bytes=col.max_shard_bytes, duplicates=self.policy
@@ -277,9 +283,10 @@ class Destination(_Side):
                     expect_done(ch, msg, frames)
                     break
                 if msg.header.groups:  # after a failure too: what arrives is still written
-                    parts = read_frames(ch, msg)
+                    taken: list = []
+                    parts = read_frames(ch, msg, functools.partial(self.pool.take, into=taken))
                     frames += msg.header.num_frames
-                    self.queue.put(("parts", peer, parts))
+                    self.queue.put(("parts", peer, (parts, taken)))
         except BaseException as e:
             end = e
             if isinstance(e, PeerLostError):
@@ -288,7 +295,7 @@ class Destination(_Side):
 
     def _write_loop(self) -> None:
         """Write everything that arrives, after a failure elsewhere too, until a write itself fails."""
-        buffered, nbytes, open_sources = [], 0, {*self.channels, self.rank}
+        buffered, taken, nbytes, open_sources = [], [], 0, {*self.channels, self.rank}
         while open_sources:
             kind, src, item = self.queue.get()
             if kind == "end":
@@ -299,7 +306,7 @@ class Destination(_Side):
             if self.write_failed:
                 continue  # drain
             try:
-                parts = item.parts(src) if kind == "local" else item
+                parts, buffers = (item.parts(src), []) if kind == "local" else item
                 frames = sum(p.num_frames for p in parts)
                 size = sum(p.nbytes for p in parts)
                 self.received[src] += frames
@@ -310,15 +317,20 @@ class Destination(_Side):
                 self._fail(e)
                 continue
             buffered += parts
+            taken += buffers
             nbytes += size + _MERGE_BYTES_PER_FRAME * frames
             if nbytes >= self.spill_bytes:
                 self._spill(buffered)
-                buffered, nbytes = [], 0
+                self.pool.give(taken)  # written: the buffers take the next chunks
+                buffered, taken, nbytes = [], [], 0
         if buffered:
             self._spill(buffered)
 
     def _spill(self, parts: list) -> None:
-        """Merge the buffer (lowest rank first, so its copy of a duplicate is kept) and write it.
+        """Plan the buffer (lowest rank first, so its copy of a duplicate is kept) and write it.
+
+        Large rows are written straight from the received buffers (`tdgather.merge.Rows`); small
+        ones are merged into new buffers first.
 
         A conflict (a duplicate the policy refuses, a shape mismatch) fails the run, but the writer
         is sound: it goes on writing what arrives, keeping one copy of a conflicting frame, so that
@@ -329,12 +341,12 @@ class Destination(_Side):
         parts = sorted(parts, key=lambda p: p.rank)
         try:
             try:
-                merged = merge(parts, self.policy)
+                merged = merge(parts, self.policy, by_reference=True)
                 self.writer.write(merged, merged.ranks)
             except FrameConflictError as e:
                 self._fail(e)
                 self.policy = self.writer.policy = DuplicatePolicy("keep")
-                merged = merge(parts, self.policy)
+                merged = merge(parts, self.policy, by_reference=True)
                 self.writer.write(merged, merged.ranks)
             self.duplicates += merged.duplicates
         except BaseException as e:

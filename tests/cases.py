@@ -304,12 +304,12 @@ def _stream_store(rank, world, **kw) -> tdgather.FrameStore:
     return store
 
 
-def case_stream_vs_gather(out: str, budget: int, chunk: int) -> dict | None:
+def case_stream_vs_gather(out: str, budget: int, chunk: int, shape: tuple = (3, 16, 16)) -> dict | None:
     """The same frames through Collector (many spills) and through gather(); equal on rank 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    reference = tdgather.gather(_stream_store(rank, world), timeout=60)
+    reference = tdgather.gather(_stream_store(rank, world, shape=shape), timeout=60)
     with tdgather.Collector(out, memory_budget=budget, chunk_bytes=chunk, timeout=60, progress=False) as col:
-        for names, idx, frames in stream_batches(rank, world):
+        for names, idx, frames in stream_batches(rank, world, shape=shape):
             col.add(names, idx, frames)
         col.update({f"extra_{rank}.jpg": (rank, value("extra", rank, (3, 16, 16)))})
     if rank != 0:

@@ -402,13 +402,13 @@ def case_write_and_die(target: str, event: str, count: int) -> dict:
         tick("exchange")
         return swapped
 
-    def write_atomic(path, chunks):
+    def write_atomic(path, chunks, *rest):
         def counted():
             for chunk in chunks:
                 yield chunk
                 tick("write")
 
-        real_write(path, counted())
+        real_write(path, counted(), *rest)
 
     os.fsync, os.replace, _output._exchange, sink._write_atomic = fsync, replace, exchange, write_atomic
     try:

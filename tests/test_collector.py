@@ -15,9 +15,17 @@ from . import cases
 pytestmark = pytest.mark.world
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_streaming_matches_gather(tmp_path, world):
-    out = run_local_world(cases.case_stream_vs_gather, world, str(tmp_path / "ds"), 256 << 10, 16 << 10, timeout=180)
+@pytest.mark.parametrize(
+    "world,shape,budget,chunk",
+    [
+        (2, (3, 16, 16), 256 << 10, 16 << 10),  # 3 KiB rows: each spill merged into new buffers
+        (4, (3, 16, 16), 256 << 10, 16 << 10),
+        (3, (3, 48, 48), 8 << 20, 512 << 10),  # 27 KiB rows: written from the received buffers, reused
+    ],
+)
+def test_streaming_matches_gather(tmp_path, world, shape, budget, chunk):
+    path = str(tmp_path / "ds")
+    out = run_local_world(cases.case_stream_vs_gather, world, path, budget, chunk, shape, timeout=180)
     summary = out[0]
     assert summary["shards"] > 3 and summary["segments"] > 1  # it really wrote while frames arrived
     assert summary["dups"] == (-(12 * 40) % world)  # the sampler's padding, dropped once each

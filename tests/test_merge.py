@@ -165,3 +165,48 @@ def test_own_chunks_are_merged_from_the_store_without_packing():
     assert out["b"].frame_idx.tolist() == list(range(300)) and out["c"].frame_idx.tolist() == list(range(300))
     assert torch.equal(out["b"].frames[:150], big[2][:150]) and torch.equal(out["b"].frames[150:], big[1][:150])
     assert torch.equal(out["c"].frames[:150], big[1][150:]) and torch.equal(out["c"].frames[150:], big[2][150:])
+
+
+def test_a_merge_by_reference_leaves_long_rows_where_they_are_and_writes_the_same_bytes(tmp_path):
+    big = (64, 64)  # 16 KiB rows: written by reference; (4,): copied
+    preds = [
+        {
+            "m.mp4": frames("m.mp4", [0, 2, 4], big),
+            "s.mp4": frames("s.mp4", [1, 0]),
+            "d.mp4": frames("d.mp4", [0], big),
+        },
+        {"m.mp4": frames("m.mp4", [3, 1], big), "d.mp4": frames("d.mp4", [0, 1], big)},  # d.mp4 0: a duplicate
+    ]
+    parts, _ = parts_of(*preds)
+    by_ref, copied = merge(parts, by_reference=True), merge(parts)
+    kinds = {g.layout.leaves[0].shape: type(g.leaves[0]).__name__ for g in by_ref.groups}
+    assert kinds == {(64, 64): "Rows", (4,): "Tensor"}
+    assert by_ref.duplicates == copied.duplicates == DuplicateCounts(exact=1, inexact=0, max_abs_diff=0.0)
+    for merged, name in ((by_ref, "ref"), (copied, "copy")):
+        w = tdgather.sink.DatasetWriter(tmp_path / name)
+        w.write(merged, merged.ranks)
+        w.commit()
+    a, b = tdgather.open(tmp_path / "ref"), tdgather.open(tmp_path / "copy")
+    assert sorted(a) == sorted(b) == ["d.mp4", "m.mp4", "s.mp4"]
+    for name in a:
+        assert torch.equal(a[name].frame_idx, b[name].frame_idx) and torch.equal(a[name].frames, b[name].frames)
+    assert a["m.mp4"].frame_idx.tolist() == [0, 1, 2, 3, 4]
+    # a changed copy is found by reference too, and named
+    preds[1]["d.mp4"] = [(0, value("d.mp4", 0, big) + 1)]
+    parts, _ = parts_of(*preds)
+    with pytest.raises(DuplicateFrameError, match=r"'d.mp4'.*frame_idx 0"):
+        merge(parts, "exact", by_reference=True)
+
+
+def test_rows_select_and_slice_by_reference():
+    from tdgather.merge import Rows
+
+    sources = [torch.arange(12.0).view(3, 4), torch.arange(100.0, 108.0).view(2, 4)]
+    rows = Rows(sources, torch.tensor([1, 0, 0, 1, 0]), torch.tensor([1, 0, 1, 0, 2]), 0, 5)
+    want = torch.stack([sources[1][1], sources[0][0], sources[0][1], sources[1][0], sources[0][2]])
+    assert torch.equal(rows.index_select(0, torch.arange(5)), want)
+    assert rows[1:4].shape == (3, 4) and torch.equal(rows[1:4].index_select(0, torch.tensor([2, 0])), want[[3, 1]])
+    views = rows[1:5].byte_views()  # rows 0 and 1 of source 0 are one run
+    assert [len(v) for v in views] == [32, 16, 16]
+    assert b"".join(views) == want[1:5].numpy().tobytes()
+    assert rows[2:2].byte_views() == [] and rows[3:5].follows(rows[1:3]) and not rows[3:5].follows(rows[1:2])

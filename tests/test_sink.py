@@ -285,3 +285,41 @@ def test_written_frame_runs_match_a_set(batches):
         assert _in_runs(runs, probe).tolist() == [int(x) in seen for x in probe]
         assert bool((runs[1:, 0] > runs[:-1, 1] + 1).all())  # disjoint, not even touching
     assert sum(int(b - a + 1) for a, b in runs.tolist()) == len(seen)
+
+
+def test_short_writes_are_resumed_and_the_shard_is_whole(tmp_path, monkeypatch):
+    real = os.writev
+    calls = []
+
+    def short(fd, buffers):  # the kernel may write less than asked: at most 1000 bytes here
+        calls.append(len(buffers))
+        return real(fd, [memoryview(b).cast("B")[:1000] for b in buffers][:1])
+
+    result, _ = gathered()
+    monkeypatch.setattr(os, "writev", short)
+    tdgather.save(result, tmp_path / "ds")
+    monkeypatch.undo()
+    assert len(calls) > 10
+    assert_dataset_equals(tdgather.open(tmp_path / "ds"), result)
+
+
+def test_a_shard_that_fails_to_become_durable_fails_the_commit_and_is_not_listed(tmp_path, monkeypatch):
+    real = os.fsync
+
+    def fsync(fd):  # the second shard's fsync fails (on the writer's background thread)
+        if "shard-00001" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(5, "Input/output error")
+        return real(fd)
+
+    w = tdgather.sink.DatasetWriter(tmp_path / "ds", max_shard_bytes=1)
+    monkeypatch.setattr(os, "fsync", fsync)
+    w.write({"a.mp4": tdgather.Frames(frame_idx=torch.arange(2), frames=torch.ones(2, 3), batch_size=[2])})
+    w.write({"b.mp4": tdgather.Frames(frame_idx=torch.arange(2), frames=torch.ones(2, 3), batch_size=[2])})
+    with pytest.raises(OutputError, match="shard-00001.*Input/output error"):
+        w.commit()
+    monkeypatch.undo()
+    partial = w.abort(RuntimeError("stopped"))
+    listing = json.loads((partial / tdgather.sink.INCOMPLETE_NAME).read_text())
+    assert list(listing["shards"]) == ["shard-00000.safetensors"] and list(listing["files"]) == ["a.mp4"]
+    assert sorted(p.name for p in partial.iterdir()) == ["shard-00000.safetensors", tdgather.sink.INCOMPLETE_NAME]
+    assert tdgather.open(partial, incomplete=True)["a.mp4"].frames.shape == (2, 3)
