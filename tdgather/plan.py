@@ -207,19 +207,24 @@ def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
     fids = torch.cat([torch.tensor([fid.get(n, -1) for n in p.files], dtype=torch.int64)[p.file_ids] for p in parts])
     idx = torch.cat([p.frame_idx for p in parts])
     sizes = [p.num_frames for p in parts]
-    # 1. sort by (file, frame_idx), stably
-    order = torch.argsort(idx, stable=True)
-    order = order[torch.argsort(fids[order], stable=True)]
+    # 1. sort by (file, frame_idx), stably: one sort of a joint key where it fits in int64
+    low = int(idx.min()) if idx.numel() else 0
+    span = int(idx.max()) - low + 1 if idx.numel() else 1
+    if len(names) * span < 1 << 62:
+        order = torch.argsort(fids * span + (idx - low), stable=True)
+    else:
+        order = torch.argsort(idx, stable=True)
+        order = order[torch.argsort(fids[order], stable=True)]
     sf, si = fids[order], idx[order]
     # 2. the first copy of each frame takes the next result row; later copies go past the end
     first = torch.ones_like(sf, dtype=torch.bool)
     first[1:] = (sf[1:] != sf[:-1]) | (si[1:] != si[:-1])
-    n = int(first.sum())
-    result_row = first.cumsum(0) - 1  # for every sorted row: the result row of its frame
+    firsts = first.cumsum(0)
+    n = int(firsts[-1]) if firsts.numel() else 0
+    result_row = firsts - 1  # for every sorted row: the result row of its frame
     later = ~first
-    pos = torch.empty_like(order)
-    pos[first] = torch.arange(n)
-    pos[later] = n + torch.arange(int(later.sum()))
+    # sorted row k is the (k - firsts[k])-th later copy when it is not a first
+    pos = torch.where(first, result_row, n + torch.arange(order.numel()) - firsts)
     dest_all = torch.empty_like(order)
     dest_all[order] = pos
     rank_of = torch.repeat_interleave(torch.tensor([p.rank for p in parts]), torch.tensor(sizes))
