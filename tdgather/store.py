@@ -2,7 +2,20 @@
 
 Frames are grouped by `Layout` (structure, dtypes, per-frame shapes), so a
 group is a variable-length stack of same-shaped frames: it needs no padding.
-Filenames are interned to ids.
+
+`FrameStore.add` runs in the inference loop, so it does little per batch:
+
+- a CPU tensor of a dtype and shape seen before, with int64 frame indexes, skips `flatten`
+  and `_as_index` (its layout's group is cached by dtype and shape);
+- filenames are checked (str, encodable as UTF-8) with one join, then kept as given (a
+  reference a row, so a name built per frame stays alive until `FrameStore.parts`);
+- a small batch to copy (up to 64 KiB) is copied, frame indexes and frames, into its layout's
+  open block (one ``memmove`` each), after the batches before it: blocks double from 64 KiB to
+  4 MiB and are sent as they are (`tdgather.pack`); other batches are chunks of their own.
+
+Deferred to `FrameStore.parts` / ``groups()`` / ``names`` (C-level passes over all the rows,
+once): filenames get their ids, and a filename given with two layouts raises
+`ShapeMismatchError`. `FrameStore.update` checks that at once.
 
 What the store keeps of a batch given to `FrameStore.add`:
 
@@ -12,13 +25,18 @@ What the store keeps of a batch given to `FrameStore.add`:
   that could tell; with ``copy=False`` they are kept by reference, and the caller must
   not modify them until they are sent;
 - either way, a view of a much larger storage (``out[:, :2]``) is compacted, so the
-  store holds, and the memory budget counts, only the frames' own bytes;
+  store holds, and the memory budget counts, only the frames' own bytes (plus, uncounted,
+  the unused rest of each layout's open block: under 4 MiB);
 - conjugate and negative views are resolved, so the bits sent are the values seen.
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
+import math
 import operator
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +49,11 @@ from .frames import Layout, flatten
 from .plan import Part
 
 __all__ = ["FrameStore", "as_store"]
+
+_SMALL = 64 << 10  # a copied batch of at most this many bytes goes into its layout's open block
+_BLOCK_MIN = 64 << 10  # a layout's first block; each next one twice as large, up to _BLOCK_MAX
+_BLOCK_MAX = 4 << 20
+_memmove = ctypes.memmove
 
 
 @dataclass
@@ -54,6 +77,61 @@ class _Bucket:
         self.json: list[list] = [[] for _ in layout.nontensor]
 
 
+class _Group:
+    """The rows of one layout, in the order added.
+
+    Filenames wait in ``pending`` until `FrameStore._intern` gives them ids. Frame indexes and
+    tensor leaves are chunks of rows (``idx[c]``, and ``chunks[c][j]`` for leaf ``j``), then rows
+    ``start:fill`` of the open block (``block_idx``, ``block``), which small batches are copied into.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.pending: list[str] = []
+        self.ids: list[torch.Tensor] = []  # file ids of the rows before the pending ones
+        self.files: set[str] = set()  # the filenames that have ids
+        self.json: list[list] = [[] for _ in layout.nontensor]
+        self.idx: list[torch.Tensor] = []
+        self.chunks: list[list[torch.Tensor]] = []
+        self.leaf_bytes = [math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in layout.leaves]
+        self.frame_nbytes = sum(self.leaf_bytes)
+        self.small = _SMALL // self.frame_nbytes if self.frame_nbytes else 0  # rows of a batch copied in
+        self.block_idx = torch.empty(0, dtype=torch.int64)
+        self.block: list[torch.Tensor] = []
+        self.idx_addr = 0
+        self.addr: list[int] = []  # of the block's leaves
+        self.start = self.fill = self.cap = 0
+
+    def copy_in(self, idx: torch.Tensor, tensors: tuple | list, n: int) -> None:
+        """Copy a batch of ``n`` rows (all contiguous on the CPU, indexes int64) into the open block."""
+        if self.fill + n > self.cap:
+            self.seal()
+            size = max(_BLOCK_MIN, min(_BLOCK_MAX, 2 * self.cap * (8 + self.frame_nbytes)))
+            self.cap = max(n, size // (8 + self.frame_nbytes))
+            self.block_idx = torch.empty(self.cap, dtype=torch.int64)
+            self.block = [torch.empty((self.cap, *leaf.shape), dtype=leaf.dtype) for leaf in self.layout.leaves]
+            self.idx_addr, self.addr = self.block_idx.data_ptr(), [b.data_ptr() for b in self.block]
+            self.start = self.fill = 0
+        at = self.fill
+        _memmove(self.idx_addr + 8 * at, idx.data_ptr(), 8 * n)
+        for addr, size, t in zip(self.addr, self.leaf_bytes, tensors, strict=True):
+            _memmove(addr + at * size, t.data_ptr(), n * size)
+        self.fill = at + n
+
+    def keep(self, idx: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """Add a batch as a chunk of its own."""
+        self.seal()
+        self.idx.append(idx)
+        self.chunks.append(tensors)
+
+    def seal(self) -> None:
+        """End the open block's chunk here (later batches start a new one)."""
+        if self.fill > self.start:
+            self.idx.append(self.block_idx[self.start : self.fill])
+            self.chunks.append([b[self.start : self.fill] for b in self.block])
+            self.start = self.fill
+
+
 def _this_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -75,11 +153,10 @@ class FrameStore:
 
     def __init__(self, copy: bool = True) -> None:
         self.copy = copy
+        self._groups: dict[Layout, _Group] = {}
+        self._plain: dict[tuple, _Group] = {}  # plain tensors' groups by (dtype, batch shape)
         self._ids: dict[str, int] = {}
         self._names: list[str] = []
-        self._file_layout: list[Layout] = []
-        self._layouts: dict[Layout, Layout] = {}
-        self._chunks: dict[Layout, list[_Chunk]] = {}
         self._copies: list = []  # CUDA events of pending device-to-host copies
         self.num_frames = 0
         self.nbytes = 0
@@ -97,6 +174,26 @@ class FrameStore:
                 or one-element integer tensors. Floats and bools are refused, never truncated.
             frames: ``Tensor[B, ...]``, or a dict / TensorDict / tensorclass with batch dim B.
         """
+        n = frame_idx.shape[0] if _is_plain_index(frame_idx) else 0
+        g = None
+        if n and type(frames) is torch.Tensor and frames.is_cpu and not frames.is_nested:
+            g = self._plain.get((frames.dtype, frames.shape)) if frames.layout is torch.strided else None
+        names = filenames if type(filenames) is list else [filenames] * n if isinstance(filenames, str) else ()
+        if g is None or frames.size(0) != n or len(names) != n:
+            return self._add_any(filenames, frame_idx, frames)
+        # the common case, fast: a CPU tensor of a dtype and shape seen before, int64 frame indexes
+        _check_filenames(names)
+        g.pending += names
+        if self.copy and n <= g.small and frames.is_contiguous() and not (frames.is_conj() or frames.is_neg()):
+            g.copy_in(frame_idx, (frames,), n)
+        else:
+            g.keep(frame_idx.clone(), [self._keep(frames.detach(), self.copy)])
+        self.num_frames += n
+        self.nbytes += n * g.frame_nbytes
+        return None
+
+    def _add_any(self, filenames: Any, frame_idx: Any, frames: Any) -> None:
+        """Any batch, checked in full."""
         idx = _as_index(frame_idx, "add() frame_idx")
         count = idx.numel()
         names = [filenames] * count if isinstance(filenames, str) else list(filenames)
@@ -106,7 +203,13 @@ class FrameStore:
                 "frame_idx per frame (and frames with that batch dimension)"
             )
         layout, tensors, json = flatten(frames, count, "add() frames")
-        self._append(names, idx, layout, tensors, json, self.copy)
+        if not count:
+            return
+        _check_filenames(names)
+        group = self._group(layout)
+        if type(frames) is torch.Tensor:
+            self._plain[(frames.dtype, frames.shape)] = group
+        self._append(group, names, idx, tensors, json, self.copy)
 
     def update(self, predictions: Mapping[str, Any]) -> None:
         """Add ``{filename: (frame_idx, value)}`` or ``{filename: [(frame_idx, value), ...]}``."""
@@ -135,36 +238,46 @@ class FrameStore:
                         lst.append(t)
                     for lst, v in zip(bucket.json, json, strict=True):
                         lst.append(v)
-        for b in [*fast.values(), *other.values()]:
-            idx = _as_index(b.idx, "frame_idx", b.names)
-            self._append(b.names, idx, b.layout, [_stack(ts) for ts in b.leaves], b.json, copy=False)  # stacked
+        buckets = [(b, _as_index(b.idx, "frame_idx", b.names)) for b in [*fast.values(), *other.values()]]
+        self._intern()  # the filenames held get ids, so that the new ones are checked against them
+        claimed: dict[str, Layout] = {}
+        for b, _ in buckets:
+            _check_filenames(b.names)
+            mine = self._groups.get(b.layout)
+            for name in dict.fromkeys(b.names):
+                first = claimed.setdefault(name, b.layout)
+                if first is b.layout and name in self._ids and (mine is None or name not in mine.files):
+                    first = self._layout_of(name)
+                if first is not b.layout:
+                    raise _mismatch(name, first, b.layout)
+        for b, idx in buckets:  # checked: nothing is half-added
+            tensors = [_stack(ts) for ts in b.leaves]
+            self._append(self._group(b.layout), b.names, idx, tensors, b.json, copy=False)
 
-    def _append(
-        self, names: list[str], idx: torch.Tensor, layout: Layout, tensors: list, json: list, copy: bool
-    ) -> None:
-        if not idx.numel():
+    def _group(self, layout: Layout) -> _Group:
+        group = self._groups.get(layout)
+        if group is None:
+            group = self._groups[layout] = _Group(layout)
+        return group
+
+    def _append(self, g: _Group, names: list[str], idx: torch.Tensor, tensors: list, json: list, copy: bool) -> None:
+        n = idx.shape[0]
+        if not n:
             return
-        layout = self._layouts.setdefault(layout, layout)
-        for name in dict.fromkeys(names):
-            fid = self._ids.get(name)
-            if fid is None:
-                _check_filename(name)
-                self._ids[name] = len(self._names)
-                self._names.append(name)
-                self._file_layout.append(layout)
-            elif self._file_layout[fid] is not layout:
-                rank = _this_rank()
-                raise ShapeMismatchError(
-                    f"filename {name!r}: frames on rank {rank} have {self._file_layout[fid].describe()} "
-                    f"and {layout.describe()} (ranks [{rank}]); every frame of a filename must have "
-                    "the same structure, shape and dtype"
-                )
-        ids = self._ids
-        file_ids = torch.tensor([ids[n] for n in names], dtype=torch.int64)
-        tensors = [self._keep(t.detach(), copy) for t in tensors]
-        self._chunks.setdefault(layout, []).append(_Chunk(file_ids, idx, tensors, json))
-        self.num_frames += idx.numel()
-        self.nbytes += idx.numel() * layout.frame_nbytes
+        g.pending += names
+        if (
+            copy
+            and n <= g.small
+            and _is_plain_index(idx)
+            and all(t.is_cpu and t.is_contiguous() and _unflagged(t) for t in tensors)
+        ):
+            g.copy_in(idx, tensors, n)
+        else:
+            g.keep(idx.clone(), [self._keep(t.detach(), copy) for t in tensors])
+        for values, new in zip(g.json, json, strict=True):
+            values += new
+        self.num_frames += n
+        self.nbytes += n * g.frame_nbytes
 
     def _keep(self, t: torch.Tensor, copy: bool) -> torch.Tensor:
         """What the store holds of ``t`` (see the module docstring): a CPU tensor of its own bytes."""
@@ -184,6 +297,33 @@ class FrameStore:
         self._copies.append(event)
         return host
 
+    def _intern(self) -> None:
+        """Give ids to the filenames added since the last call, with C-level passes over the rows.
+
+        Raises:
+            ShapeMismatchError: a filename comes with two layouts.
+        """
+        ids = self._ids
+        for g in self._groups.values():
+            if not g.pending:
+                continue
+            fresh = dict.fromkeys(g.pending)  # in order of first appearance
+            new = fresh.keys() - g.files
+            clash = new & ids.keys()
+            if clash:
+                name = min(clash, key=ids.__getitem__)
+                raise _mismatch(name, self._layout_of(name), g.layout)
+            if new:
+                ordered = list(filter(new.__contains__, fresh))
+                ids.update(zip(ordered, itertools.count(len(self._names))))
+                self._names += ordered
+                g.files |= new
+            g.ids.append(torch.frombuffer(array("q", map(ids.__getitem__, g.pending)), dtype=torch.int64))
+            g.pending = []
+
+    def _layout_of(self, name: str) -> Layout:
+        return next(g.layout for g in self._groups.values() if name in g.files)
+
     def synchronize(self) -> None:
         """Wait until every device-to-host copy made by `add` has landed."""
         for event in self._copies:
@@ -192,33 +332,51 @@ class FrameStore:
 
     @property
     def names(self) -> list[str]:
-        """The filenames added so far, in order of first appearance (their ids)."""
+        """The filenames added so far (their ids): by layout, in order of first appearance."""
+        self._intern()
         return self._names
+
+    def parts(self, rank: int) -> list[Part]:
+        """The frames as one `Part` per layout, viewing the stored batches: no copy.
+
+        Raises:
+            ShapeMismatchError: a filename was given with two layouts.
+        """
+        self.synchronize()
+        self._intern()
+        parts = []
+        for g in self._groups.values():
+            g.seal()
+            if len(g.ids) > 1:
+                g.ids = [torch.cat(g.ids)]
+            idx = torch.cat(g.idx) if len(g.idx) > 1 else g.idx[0]
+            json = [values[:] for values in g.json]
+            parts.append(Part(rank, g.layout, self._names, g.ids[0], idx, json, g.chunks[:]))
+        return parts
 
     def groups(self) -> list[tuple[Layout, list[_Chunk]]]:
         """The chunks of every layout, in the order added (after every device copy has landed)."""
-        self.synchronize()
-        return list(self._chunks.items())
+        out = []
+        for part, g in zip(self.parts(0), self._groups.values(), strict=True):
+            sizes = [i.shape[0] for i in g.idx]
+            ids = part.file_ids.split(sizes)
+            ends = itertools.accumulate(sizes)
+            chunks = [
+                _Chunk(ids[c], g.idx[c], tensors, [values[end - n : end] for values in part.json])
+                for c, (tensors, n, end) in enumerate(zip(part.chunks, sizes, ends, strict=True))
+            ]
+            out.append((part.layout, chunks))
+        return out
 
-    def parts(self, rank: int) -> list[Part]:
-        """The frames as one `Part` per layout, viewing the stored batches: no copy."""
-        return [
-            Part(
-                rank,
-                layout,
-                self._names,
-                torch.cat([c.file_ids for c in chunks]),
-                torch.cat([c.frame_idx for c in chunks]),
-                [[v for c in chunks for v in c.json[j]] for j in range(len(layout.nontensor))],
-                [c.tensors for c in chunks],
-            )
-            for layout, chunks in self.groups()
-        ]
+    @property
+    def _chunks(self) -> dict[Layout, list[_Chunk]]:
+        """``groups()`` as a dict (for tests that look inside)."""
+        return dict(self.groups())
 
     @property
     def num_chunks(self) -> int:
-        """Batches held (each ``add`` or ``update`` layout group is one)."""
-        return sum(len(c) for c in self._chunks.values())
+        """Chunks held: blocks of small batches copied together, and batches kept as they are."""
+        return sum(len(g.chunks) + (g.fill > g.start) for g in self._groups.values())
 
 
 def as_store(predictions: FrameStore | Mapping[str, Any]) -> FrameStore:
@@ -290,6 +448,41 @@ def _as_index(frame_idx: Any, where: str, names: Sequence[str] | None = None) ->
             raise UnsupportedValueError(f"{where}{owner}: expected an index that fits in int64, got {value}")
         values.append(value)
     return torch.tensor(values, dtype=torch.int64)
+
+
+def _is_plain_index(x: Any) -> bool:
+    """Whether ``x`` is frame indexes that may be copied as they are: int64 ``[B]``, contiguous, CPU."""
+    return (
+        type(x) is torch.Tensor
+        and x.is_cpu
+        and x.dtype is torch.int64
+        and x.dim() == 1
+        and x.is_contiguous()
+        and not x.is_neg()
+    )
+
+
+def _unflagged(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes are its values: no conjugate or negative bit."""
+    return not (t.is_conj() or t.is_neg())
+
+
+def _check_filenames(names: list) -> None:
+    """Every filename is a str that UTF-8 can encode: one join and encode, or the first that is not."""
+    try:
+        "".join(names).encode("utf-8")
+    except (TypeError, UnicodeEncodeError):
+        for name in names:
+            _check_filename(name)
+        raise
+
+
+def _mismatch(name: str, first: Layout, second: Layout) -> ShapeMismatchError:
+    rank = _this_rank()
+    return ShapeMismatchError(
+        f"filename {name!r}: frames on rank {rank} have {first.describe()} and {second.describe()} "
+        f"(ranks [{rank}]); every frame of a filename must have the same structure, shape and dtype"
+    )
 
 
 def _check_filename(name: Any) -> None:
