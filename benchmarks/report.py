@@ -84,6 +84,9 @@ def write_report(
         "- memory: rank 0's peak anonymous resident memory during the first call in a fresh process, above its"
         " value before it, over the bytes received (the result the method returns is included);"
         f" the Collector runs with a {budget_mib} MiB budget and writes to disk (compare with disk_raw)",
+        "- disk: what a writing method wrote (tdgather_save, tdgather_collector, disk_raw) is deleted after each"
+        " call, untimed, so that the page cache reuses its pages as on a host that has run a while (on these VMs"
+        " a page the guest never touched costs ~3 ms/MB to write into the first time)",
         "- large_whole is large with each video on one rank (a sampler over videos), an extra to large;"
         " td_gather_and_stack runs only where every sender holds the same count of one layout",
         "",
