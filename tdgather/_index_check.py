@@ -22,9 +22,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ._dtypes import SAFETENSORS_CODE, dtype_name
+from ._output import FORMAT, INDEX_VERSION
 from .errors import DatasetError
 from .frames import Layout
-from .sink import FORMAT
 from .wire import _Check, _decode_layout
 
 __all__ = [
@@ -43,7 +43,7 @@ __all__ = [
     "shard_groups",
 ]
 
-VERSIONS = (1,)  # the index versions this tdgather reads
+VERSIONS = (INDEX_VERSION,)  # the index versions this tdgather reads
 SHARD_NAME = re.compile(r"shard-[0-9]{5,}\.safetensors")  # as DatasetWriter names them
 GROUP_NAME = re.compile(r"g[0-9]+")
 _DTYPE_OF_CODE = {code: dtype_name(dt) for dt, code in SAFETENSORS_CODE.items()}

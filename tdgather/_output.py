@@ -1,4 +1,4 @@
-"""The output directory: what may be replaced, the staging directory, publishing, deleting only ours.
+"""The output directory: its file names, what may be replaced, the staging directory, publishing, deleting only ours.
 
 Rules (checked by rank dst before any frame moves):
 
@@ -21,8 +21,20 @@ from pathlib import Path
 
 from .errors import OutputError
 
-__all__ = ["INCOMPLETE_NAME", "INDEX_NAME", "check_output", "fsync_dir", "publish", "remove_ours", "staging_of"]
+__all__ = [
+    "FORMAT",
+    "INCOMPLETE_NAME",
+    "INDEX_NAME",
+    "INDEX_VERSION",
+    "check_output",
+    "fsync_dir",
+    "publish",
+    "remove_ours",
+    "staging_of",
+]
 
+FORMAT = "tdgather"  # the index's and every shard's "format"
+INDEX_VERSION = 1  # the index version the sink writes and the reader checks
 INDEX_NAME = "tdgather.index.json"
 INCOMPLETE_NAME = "tdgather.incomplete.json"  # what a failed run saved, in <name>.partial
 

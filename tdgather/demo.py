@@ -106,9 +106,9 @@ def check_demo_output(out: str) -> None:
     """Refuse an output that holds a tdgather dataset the demo did not write (the demo replaces only its own)."""
     from pathlib import Path
 
+    from ._output import INDEX_NAME
     from .errors import OutputError
     from .reader import open_dataset
-    from .sink import INDEX_NAME
 
     if (Path(out) / INDEX_NAME).is_file() and not open_dataset(out).metadata.get(DEMO_MARK):
         raise OutputError(

@@ -30,9 +30,9 @@ from ._index_check import (
     open_shard,
     shard_groups,
 )
+from ._output import INCOMPLETE_NAME, INDEX_NAME
 from .errors import DatasetError, OutputError
 from .frames import Frames, Layout, rebuild
-from .sink import INCOMPLETE_NAME, INDEX_NAME
 
 __all__ = ["Dataset", "open_dataset", "read_segment"]
 

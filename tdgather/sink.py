@@ -35,11 +35,22 @@ from typing import Any
 import torch
 
 from ._dtypes import SAFETENSORS_CODE
-from ._output import INCOMPLETE_NAME, INDEX_NAME, check_output, fsync_dir, publish, remove_ours, staging_of
+from ._output import (
+    FORMAT,
+    INCOMPLETE_NAME,
+    INDEX_NAME,
+    INDEX_VERSION,
+    check_output,
+    fsync_dir,
+    publish,
+    remove_ours,
+    staging_of,
+)
 from .duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
 from .errors import OutputError, ShapeMismatchError
 from .frames import Frames, Layout, flatten
 from .merge import Rows
+from .reader import read_segment
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
@@ -52,7 +63,6 @@ __all__ = [
     "write_safetensors",
 ]
 
-FORMAT = "tdgather"
 DEFAULT_SHARD_BYTES = 1 << 30
 
 
@@ -167,8 +177,6 @@ class DatasetWriter:
         again = _in_runs(self._written[name], idx)
         if not bool(again.any()):
             return idx, tensors, json_values
-        from .reader import read_segment
-
         self._settle()  # the shards read back must be in place
 
         for segment in self.files[name]["segments"]:
@@ -252,7 +260,7 @@ class DatasetWriter:
     def _index(self, metadata: Mapping[str, Any] | None) -> bytes:
         index = {
             "format": FORMAT,
-            "version": 1,
+            "version": INDEX_VERSION,
             "metadata": {
                 **(metadata or {}),
                 "total_frames": self.frames,
