@@ -207,30 +207,43 @@ def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
     fids = torch.cat([torch.tensor([fid.get(n, -1) for n in p.files], dtype=torch.int64)[p.file_ids] for p in parts])
     idx = torch.cat([p.frame_idx for p in parts])
     sizes = [p.num_frames for p in parts]
+    total = idx.numel()
     # 1. sort by (file, frame_idx), stably: one sort of a joint key where it fits in int64
-    low = int(idx.min()) if idx.numel() else 0
-    span = int(idx.max()) - low + 1 if idx.numel() else 1
+    low = int(idx.min()) if total else 0
+    span = int(idx.max()) - low + 1 if total else 1
     if len(names) * span < 1 << 62:
-        order = torch.argsort(fids * span + (idx - low), stable=True)
+        key, order = torch.sort(fids * span + (idx - low), stable=True)
+        sf, si = None, None
     else:
         order = torch.argsort(idx, stable=True)
         order = order[torch.argsort(fids[order], stable=True)]
-    sf, si = fids[order], idx[order]
+        sf, si = fids[order], idx[order]
+        key = None
     # 2. the first copy of each frame takes the next result row; later copies go past the end
-    first = torch.ones_like(sf, dtype=torch.bool)
-    first[1:] = (sf[1:] != sf[:-1]) | (si[1:] != si[:-1])
-    firsts = first.cumsum(0)
-    n = int(firsts[-1]) if firsts.numel() else 0
-    result_row = firsts - 1  # for every sorted row: the result row of its frame
-    later = ~first
-    # sorted row k is the (k - firsts[k])-th later copy when it is not a first
-    pos = torch.where(first, result_row, n + torch.arange(order.numel()) - firsts)
+    first = torch.ones(total, dtype=torch.bool)
+    if key is not None:
+        torch.ne(key[1:], key[:-1], out=first[1:])
+        first_key = key[first]
+        first_file, first_idx = first_key // span, first_key % span + low
+    else:
+        first[1:] = (sf[1:] != sf[:-1]) | (si[1:] != si[:-1])
+        first_file, first_idx = sf[first], si[first]
+    n = first_file.numel()
     dest_all = torch.empty_like(order)
-    dest_all[order] = pos
-    rank_of = torch.repeat_interleave(torch.tensor([p.rank for p in parts]), torch.tensor(sizes))
-    later_pos = order[later]
-    kept = result_row[later]
-    kept_rank = rank_of[order[first]][kept] if kept.numel() else kept
+    if n == total:  # no copies: sorted row k is result row k
+        dest_all[order] = torch.arange(total)
+        kept = later_pos = torch.empty(0, dtype=torch.int64)
+    else:
+        firsts = first.cumsum(0)
+        later = ~first
+        # sorted row k is the (k - firsts[k])-th later copy when it is not a first
+        pos = torch.where(first, firsts - 1, n + torch.arange(total) - firsts)
+        dest_all[order] = pos
+        later_pos, kept = order[later], firsts[later] - 1
+    bounds = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
+    ranks = torch.tensor([p.rank for p in parts], dtype=torch.int64)
+    later_rank = ranks[torch.searchsorted(bounds, later_pos, right=True)]
+    kept_rank = ranks[torch.searchsorted(bounds, order[first][kept], right=True)] if kept.numel() else kept
     json_all = [[v for p in parts for v in p.json[j]] for j in range(len(layout.nontensor))]
     json, later_json = [], []
     if json_all:
@@ -240,12 +253,12 @@ def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
     return Placement(
         layout,
         names,
-        torch.bincount(sf[first], minlength=len(names)).tolist(),
-        si[first],
+        torch.bincount(first_file, minlength=len(names)).tolist(),
+        first_idx,
         list(torch.split(dest_all, sizes)),
         kept,
         kept_rank,
-        rank_of[later_pos],
+        later_rank,
         json,
         later_json,
     )
