@@ -30,51 +30,20 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from .duplicates import DuplicateCounts, DuplicatePolicy
+from .duplicates import DuplicatePolicy
 from .sink import DEFAULT_SHARD_BYTES
-from .streams import Destination, Sender
+from .streams import CollectorSummary, Destination, Sender, Settings
 from .transport import Call, as_timeout, begin_call, transport_group
 
 __all__ = ["Collector", "CollectorSummary"]
 
 log = logging.getLogger("tdgather")
-
-
-@dataclass(frozen=True)
-class CollectorSummary:
-    """What a `Collector` wrote, returned by ``close()`` on rank ``dst``."""
-
-    path: str
-    frames: int
-    bytes: int
-    duplicates_dropped: int
-    frames_per_rank: dict[int, int] = field(default_factory=dict)
-    shards: int = 0
-    seconds: float = 0.0
-    close_seconds: float = 0.0
-    duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
-
-    @property
-    def throughput_mb_s(self) -> float:
-        """Frame bytes written per second, from ``open()`` to the end of ``close()``."""
-        return self.bytes / 1e6 / self.seconds if self.seconds else 0.0
-
-    def __str__(self) -> str:
-        per_rank = ", ".join(f"{r}: {n}" for r, n in self.frames_per_rank.items())
-        d = self.duplicates
-        dups = f"{d.dropped} duplicates dropped ({d.exact} exact, {d.inexact} inexact, max diff {d.max_abs_diff:g})"
-        return (
-            f"tdgather: {self.frames} frames, {self.bytes / 1e6:.1f} MB, {dups}, "
-            f"per rank {{{per_rank}}}, {self.shards} shards in {self.path}, {self.seconds:.2f} s "
-            f"({self.throughput_mb_s:.1f} MB/s), close {self.close_seconds:.3f} s"
-        )
 
 
 class Collector:
@@ -149,15 +118,30 @@ class Collector:
         if not 0 <= self.dst < world:
             raise ValueError(f"dst: expected a group rank in 0..{world - 1}, got {self.dst}")
         chunk = self._chunk_bytes or min(64 << 20, max(256 << 10, self.memory_budget // (8 * (world + 1))))
+        settings = Settings(
+            path=self.path,
+            dst=self.dst,
+            timeout=self.timeout,
+            overwrite=self.overwrite,
+            duplicates=self.duplicates,
+            copy=self.copy,
+            memory_budget=self.memory_budget,
+            chunk_bytes=chunk,
+            max_pending=self.max_pending,
+            max_shard_bytes=self.max_shard_bytes,
+            progress=self.progress,
+            metadata=self.metadata,
+            peers=world - 1,
+        )
         if not distributed:
-            self._side = Destination(self, None, rank, [], chunk)
+            self._side = Destination(settings, None, rank, [])
             return self
         self._call = begin_call(pg, "Collector", self.dst, self.timeout, str(self.path))
         try:
             if rank == self.dst:
-                self._side = Destination(self, self._call, rank, [p for p in range(world) if p != rank], chunk)
+                self._side = Destination(settings, self._call, rank, [p for p in range(world) if p != rank])
             else:
-                self._side = Sender(self, self._call, chunk)
+                self._side = Sender(settings, self._call)
         except BaseException:
             self._end_call()
             raise
@@ -175,14 +159,14 @@ class Collector:
         """Flush and finish; on rank ``dst`` write the index and return the summary, elsewhere None."""
         side, self._side = self._active(), None
         try:
-            figures = side.close()
+            summary = side.close()
         except BaseException as e:
             side.abort(e)
             raise
         finally:
             self._end_call()
-        if figures is not None:
-            self.summary = CollectorSummary(**figures)
+        if summary is not None:
+            self.summary = summary
             if self.log_summary:
                 log.info("%s", self.summary)
         return self.summary

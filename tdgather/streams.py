@@ -18,6 +18,9 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -34,7 +37,7 @@ from .store import FrameStore
 from .transport import Answers, Call, heartbeat_interval, peer_error
 from .wire import HEARTBEAT, Kind, error_header
 
-__all__ = ["Destination", "Sender"]
+__all__ = ["CollectorSummary", "Destination", "Sender", "Settings"]
 
 _POLL = 0.1  # seconds between the send thread's looks at dst's answer while idle
 _AFTER_ANSWER = 5.0  # seconds a sender still waits for its sends once dst has answered
@@ -42,6 +45,84 @@ _CLOSE = object()
 # What merging a buffer costs per frame beyond its bytes (sort keys, permutations, masks, int64
 # indices): about 100 bytes. Counted against the budget, so that tiny frames respect it too.
 _MERGE_BYTES_PER_FRAME = 128
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A Collector's settings, fixed when it opens: all that `Sender` and `Destination` read.
+
+    The budget on rank dst, in chunks c: one payload per receiver (``peers``) + the inbox
+    (``max_pending``) + the spill (``spill_bytes`` + c) + a merge's copy of small rows (spill + c).
+    With the default c = budget / (8 (W + 1)) that is at most budget / 4 + 0.7 budget.
+    """
+
+    path: Path
+    dst: int
+    timeout: timedelta
+    overwrite: bool
+    duplicates: DuplicatePolicy
+    copy: bool
+    memory_budget: int
+    chunk_bytes: int
+    max_pending: int
+    max_shard_bytes: int
+    progress: bool | None
+    metadata: Mapping[str, Any]
+    peers: int  # ranks that send to dst
+
+    @property
+    def spill_bytes(self) -> int:
+        """Bytes rank dst buffers before it writes them."""
+        return max(self.chunk_bytes, self.memory_budget * 35 // 100)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Received buffers kept for reuse: at most the spill and every chunk in flight."""
+        return self.spill_bytes + (self.max_pending + self.peers) * self.chunk_bytes
+
+
+@dataclass(frozen=True)
+class CollectorSummary:
+    """What a `Collector` wrote, returned by ``close()`` on rank ``dst``."""
+
+    path: str
+    frames: int
+    bytes: int
+    duplicates_dropped: int
+    frames_per_rank: dict[int, int] = field(default_factory=dict)
+    shards: int = 0
+    seconds: float = 0.0
+    close_seconds: float = 0.0
+    duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
+
+    @property
+    def throughput_mb_s(self) -> float:
+        """Frame bytes written per second, from ``open()`` to the end of ``close()``."""
+        return self.bytes / 1e6 / self.seconds if self.seconds else 0.0
+
+    def __str__(self) -> str:
+        per_rank = ", ".join(f"{r}: {n}" for r, n in self.frames_per_rank.items())
+        d = self.duplicates
+        dups = f"{d.dropped} duplicates dropped ({d.exact} exact, {d.inexact} inexact, max diff {d.max_abs_diff:g})"
+        return (
+            f"tdgather: {self.frames} frames, {self.bytes / 1e6:.1f} MB, {dups}, "
+            f"per rank {{{per_rank}}}, {self.shards} shards in {self.path}, {self.seconds:.2f} s "
+            f"({self.throughput_mb_s:.1f} MB/s), close {self.close_seconds:.3f} s"
+        )
+
+
+class _Spill:
+    """What rank dst's writer holds until it writes: parts, the pooled buffers under them, budget bytes."""
+
+    def __init__(self) -> None:
+        self.parts: list = []
+        self.buffers: list = []
+        self.nbytes = 0
+
+    def add(self, parts: list, buffers: list, nbytes: int) -> None:
+        self.parts += parts
+        self.buffers += buffers
+        self.nbytes += nbytes
 
 
 def _return_freed_memory() -> None:
@@ -115,16 +196,16 @@ class _Side:
 class Sender(_Side):
     """A rank other than dst: 1. wait for dst's ready, 2. send chunks behind the loop, 3. done or error."""
 
-    def __init__(self, col: Any, call: Call, chunk_bytes: int) -> None:
-        super().__init__(chunk_bytes, col.max_pending, col.copy)
-        self.timeout, self.dst = col.timeout, col.dst
-        self.ch = call.channel(col.dst)  # its send and receive sequences are independent
+    def __init__(self, settings: Settings, call: Call) -> None:
+        super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy)
+        self.timeout, self.dst = settings.timeout, settings.dst
+        self.ch = call.channel(settings.dst)  # its send and receive sequences are independent
         self.heartbeat = heartbeat_interval(self.timeout)
         self.frames = 0
         self.pending_peak = 0
         ready = self.ch.recv_answer()  # 1. rank dst says whether the output can be written
         if ready.kind == Kind.ERROR:
-            raise peer_error(col.dst, ready.header)
+            raise peer_error(settings.dst, ready.header)
         self.answer = None
         self.joiner = Joiner(reuse=True)
         self.thread = threading.Thread(target=self._send_loop, name="tdgather-send", daemon=True)
@@ -218,24 +299,20 @@ class Sender(_Side):
 class Destination(_Side):
     """Rank dst: 1. check the output and answer ready, 2. receive and write within the budget, 3. index."""
 
-    def __init__(self, col: Any, call: Call, rank: int, peers: list[int], chunk_bytes: int) -> None:
-        super().__init__(chunk_bytes, col.max_pending, col.copy)
+    def __init__(self, settings: Settings, call: Call | None, rank: int, peers: list[int]) -> None:
+        super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy)
         _return_freed_memory()
-        self.col, self.rank, self.start = col, rank, time.perf_counter()
-        self.channels = {p: call.channel(p) for p in peers}
+        col = self.settings = settings
+        self.rank, self.start = rank, time.perf_counter()
+        self.channels = {p: call.channel(p) for p in peers} if call is not None else {}
         self.answers = Answers(self.channels, heartbeat_interval(col.timeout))
-        self.policy = DuplicatePolicy.of(col.duplicates)
+        self.policy = col.duplicates
         self.local_ended = False
         self.write_failed = False
         self.received = dict.fromkeys(sorted([rank, *peers]), 0)
         self.received_bytes = dict.fromkeys(sorted([rank, *peers]), 0)
         self.duplicates = DuplicateCounts()  # dropped within spills; the writer counts those against the disk
-        # Peak on rank dst, in chunks c: one payload per receiver (W - 1) + the inbox (max_pending)
-        # + the buffer (spill + c) + the merge's copy of split files (spill + c). With the default
-        # c = budget / (8 (W + 1)) that is at most budget / 4 + 0.7 budget.
-        self.spill_bytes = max(chunk_bytes, col.memory_budget * 35 // 100)
-        # received buffers are reused up to what the budget allows them: the buffer and every chunk in flight
-        self.pool = BufferPool(self.spill_bytes + (col.max_pending + len(peers)) * chunk_bytes)
+        self.pool = BufferPool(col.pool_bytes)  # received buffers, reused within the budget
         try:
             self.writer = DatasetWriter(
                 col.path, overwrite=col.overwrite, max_shard_bytes=col.max_shard_bytes, duplicates=self.policy
@@ -295,7 +372,7 @@ class Destination(_Side):
 
     def _write_loop(self) -> None:
         """Write everything that arrives, after a failure elsewhere too, until a write itself fails."""
-        buffered, taken, nbytes, open_sources = [], [], 0, {*self.channels, self.rank}
+        spill, open_sources = _Spill(), {*self.channels, self.rank}
         while open_sources:
             kind, src, item = self.queue.get()
             if kind == "end":
@@ -316,15 +393,13 @@ class Destination(_Side):
                 self.write_failed = True
                 self._fail(e)
                 continue
-            buffered += parts
-            taken += buffers
-            nbytes += size + _MERGE_BYTES_PER_FRAME * frames
-            if nbytes >= self.spill_bytes:
-                self._spill(buffered)
-                self.pool.give(taken)  # written: the buffers take the next chunks
-                buffered, taken, nbytes = [], [], 0
-        if buffered:
-            self._spill(buffered)
+            spill.add(parts, buffers, size + _MERGE_BYTES_PER_FRAME * frames)
+            if spill.nbytes >= self.settings.spill_bytes:
+                self._spill(spill.parts)
+                self.pool.give(spill.buffers)  # written: the buffers take the next chunks
+                spill = _Spill()
+        if spill.parts:
+            self._spill(spill.parts)
 
     def _spill(self, parts: list) -> None:
         """Plan the buffer (lowest rank first, so its copy of a duplicate is kept) and write it.
@@ -366,8 +441,8 @@ class Destination(_Side):
         if self.fail(e):
             self.answers.answer_all(Kind.ERROR, error_header(e))  # every sender learns at once
 
-    def close(self) -> dict[str, Any]:
-        """Flush its own frames, wait for every peer, commit the index, answer ``done``; return the figures."""
+    def close(self) -> CollectorSummary:
+        """Flush its own frames, wait for every peer, commit the index, answer ``done``; return the summary."""
         self.check()
         closing = time.perf_counter()
         if len(self.store):
@@ -379,21 +454,22 @@ class Destination(_Side):
         self.bar.close()
         self.check()
         dups = self.all_duplicates
-        self.writer.commit({**self.col.metadata, "duplicates_dropped": dups.dropped, "duplicates": dups.to_json()})
+        meta = {**self.settings.metadata, "duplicates_dropped": dups.dropped, "duplicates": dups.to_json()}
+        self.writer.commit(meta)
         self.answers.answer_all(Kind.DONE, {"frames": self.writer.frames})
         self.answers.stop()
         end = time.perf_counter()
-        return {
-            "path": str(self.col.path),
-            "frames": self.writer.frames,
-            "bytes": self.writer.nbytes,
-            "duplicates_dropped": dups.dropped,
-            "frames_per_rank": dict(self.received),
-            "shards": len(self.writer.shards),
-            "seconds": end - self.start,
-            "close_seconds": end - closing,
-            "duplicates": dups,
-        }
+        return CollectorSummary(
+            path=str(self.settings.path),
+            frames=self.writer.frames,
+            bytes=self.writer.nbytes,
+            duplicates_dropped=dups.dropped,
+            frames_per_rank=dict(self.received),
+            shards=len(self.writer.shards),
+            seconds=end - self.start,
+            close_seconds=end - closing,
+            duplicates=dups,
+        )
 
     def _end_local(self) -> None:
         if not self.local_ended:
