@@ -233,6 +233,7 @@ class _Receive:
         self.errors: dict[int, BaseException] = {}
         self.parts: dict[int, list[Part]] = {r: [] for r in sorted([rank, *channels])}
         self.planned = {p: threading.Event() for p in channels}
+        self.decided = threading.Event()  # every frame index is in (or one is late): pieces may come
         self.placed = threading.Event()
         self.placements: list[tuple[Placement, list[Part]]] = []
         self.buffers: list[list[torch.Tensor]] = []
@@ -263,6 +264,7 @@ class _Receive:
             for event in self.planned.values():
                 event.wait(max(0.0, deadline - time.monotonic()))
             self.late = not all(event.is_set() for event in self.planned.values())
+            self.decided.set()
             try:
                 if not self.late:
                     self._place()
@@ -314,7 +316,7 @@ class _Receive:
             ]
         finally:
             self.planned[peer].set()
-        self.placed.wait()
+        self.decided.wait()
         if self.late:  # no placement (a frame index came late): receive as it comes, merge at the end
             try:
                 self.parts[peer] = read_frames(ch, msg)
@@ -323,8 +325,12 @@ class _Receive:
                 raise
         else:
             landing = _Landing(self, peer, msg.header)
-            landing.start()
-            read_pieces(ch, msg.header, landing.land)
+            try:
+                read_pieces(ch, msg.header, landing.land)
+            except BaseException:
+                landing.finish(last_whole=False)  # what arrived whole still lands
+                raise
+            landing.finish()
         expect_done(ch, ch.recv(), msg.header.num_frames)
 
     def _place(self) -> None:
@@ -371,7 +377,14 @@ class _Receive:
 
 
 class _Landing:
-    """Where one peer's pieces land: straight into place, or into two staging buffers and scattered."""
+    """Where one peer's pieces land: straight into place, or into two staging buffers and scattered.
+
+    Pieces that come while rank dst is still placing (every frame index is in) are received into
+    new buffers, up to `EARLY_BYTES`, and scattered once the placement is known: the transfer
+    overlaps the placement instead of waiting for it.
+    """
+
+    EARLY_BYTES = 32 << 20
 
     def __init__(self, receive: _Receive, peer: int, header: DataHeader) -> None:
         self.receive, self.peer = receive, peer
@@ -380,17 +393,67 @@ class _Landing:
         self.last = [max((j for j, c in enumerate(g.pieces) if c), default=-1) for g in header.groups]
         self.staging = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self.turn = 0
+        self.early: list[tuple[int, int, int, int, torch.Tensor]] = []
+        self.early_bytes = 0
+        self.started = False
 
-    def start(self) -> None:
-        """Groups with no pieces (no tensor bytes) have landed with their data message."""
+    def _start(self) -> None:
+        """Once placed: groups with no pieces (no tensor bytes) have landed with their data message."""
+        self.started = True
         for g, last in enumerate(self.last):
             if last < 0 and not self.receive.discard:
                 k, dest = self.receive.dest[(self.peer, id(self.parts[g]))]
                 self.receive.landed[k][dest] = True
 
+    def finish(self, last_whole: bool = True) -> None:
+        """After the last piece: what came early is scattered, now that the placement is known.
+
+        ``last_whole=False`` (the stream failed): the last piece asked for may not have arrived whole.
+        """
+        self.receive.placed.wait()
+        if not self.started:
+            self._start()
+        if not last_whole and self.early:
+            self.early.pop()
+        if not self.receive.discard:
+            for g, j, first, rows, into in self.early:
+                self._land_rows(g, j, first, rows, into)
+        self.early = []
+
+    def _land_rows(self, g: int, j: int, first: int, rows: int, into: torch.Tensor) -> None:
+        """Scatter rows received into ``into`` to their places."""
+        leaf = self.parts[g].layout.leaves[j]
+        k, dest = self.receive.dest[(self.peer, id(self.parts[g]))]
+        d = dest[first : first + rows]
+        scatter_rows(self.receive.buffers[k][j], d, into.view(leaf.dtype).view(rows, *leaf.shape))
+        _mark(self.receive.landed[k], d if j == self.last[g] else None)
+
     def land(self, g: int, j: int, first: int, rows: int) -> tuple[torch.Tensor, Any]:
         leaf = self.parts[g].layout.leaves[j]
         nbytes = rows * leaf.dtype.itemsize * math.prod(leaf.shape)
+        if not self.started:
+            if not self.receive.placed.is_set() and self.early_bytes + nbytes <= self.EARLY_BYTES:
+                into = torch.empty(nbytes, dtype=torch.uint8)
+                self.early.append((g, j, first, rows, into))
+                self.early_bytes += nbytes
+                return into, None
+            self.receive.placed.wait()
+            self._start()
+            if self.early and not self.receive.discard:
+                into, then = self._land_now(g, j, first, rows, leaf, nbytes)
+                early, self.early = self.early, []
+
+                def both() -> None:
+                    for args in early:
+                        self._land_rows(*args)
+                    if then is not None:
+                        then()
+
+                return into, both
+            self.early = []
+        return self._land_now(g, j, first, rows, leaf, nbytes)
+
+    def _land_now(self, g: int, j: int, first: int, rows: int, leaf: Any, nbytes: int) -> tuple[torch.Tensor, Any]:
         if not self.receive.discard:
             k, dest = self.receive.dest[(self.peer, id(self.parts[g]))]
             d = dest[first : first + rows]

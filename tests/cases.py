@@ -487,3 +487,44 @@ def wire_roundtrip(store: tdgather.FrameStore, rank: int = 0):
         for k, (g, (ids, idx)) in enumerate(zip(header.groups, index, strict=True))
     ]
     return parts, packed
+
+
+def case_slow_placement(world_frames: int, early_bytes: int) -> dict | None:
+    """Rank 0 places slowly: pieces come while it places, land early (up to early_bytes), scattered after."""
+    import time as _time
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gather_module = sys.modules["tdgather.gather"]
+    early = []
+    if rank == 0:
+        place, land = gather_module.place, gather_module._Landing.land
+
+        def slow_place(parts):
+            _time.sleep(0.5)
+            return place(parts)
+
+        def noted_land(self, *args):
+            early.append(not self.receive.placed.is_set())
+            return land(self, *args)
+
+        gather_module.place, gather_module._Landing.land = slow_place, noted_land
+        gather_module._Landing.EARLY_BYTES, default_early = early_bytes, gather_module._Landing.EARLY_BYTES
+    store = tdgather.FrameStore()
+    mine = [p for p in range(world_frames) if p % world == rank] + ([0] if rank == world - 1 else [])  # + a copy
+    for start in range(0, len(mine), 64):
+        batch = mine[start : start + 64]
+        names = [f"v{p // 500}.mp4" for p in batch]
+        idx = [p % 500 for p in batch]
+        store.add(names, idx, torch.stack([value(n, i, (64,)) for n, i in zip(names, idx, strict=True)]))
+    try:
+        result = tdgather.gather(store, timeout=60)
+    finally:
+        if rank == 0:
+            gather_module.place, gather_module._Landing.land = place, land
+            gather_module._Landing.EARLY_BYTES = default_early
+    if rank != 0:
+        return None
+    for name, f in result.items():
+        assert torch.equal(f.frames, torch.stack([value(name, int(i), (64,)) for i in f.frame_idx])), name
+    stats = result.stats
+    return {"frames": stats.frames, "dups": stats.duplicates_dropped, "early": sum(early), "pieces": len(early)}

@@ -93,3 +93,14 @@ def test_one_writer_per_node_with_node_groups(tmp_path):
         got.update({name: ds[name] for name in ds})
     expected = cases.reference([cases.predictions("uneven", r, 4) for r in range(4)])
     cases.assert_matches(dict(sorted(got.items())), expected)
+
+
+@pytest.mark.parametrize("world,early_bytes", [(2, 32 << 20), (3, 1 << 20)])
+def test_pieces_that_come_while_rank0_places_land_after_it(world, early_bytes):
+    # 40k frames of 256 bytes: ~10 MB over the senders, pieces of up to ~4 MiB
+    out = run_local_world(cases.case_slow_placement, world, 40_000, early_bytes, timeout=120)[0]
+    assert out["frames"] == 40_000 and out["dups"] == 1
+    if early_bytes > 10 << 20:
+        assert out["early"] == out["pieces"] >= 2  # every piece came while rank 0 was placing
+    else:
+        assert 1 <= out["early"] < out["pieces"]  # some early, the rest waited for the placement
