@@ -147,9 +147,9 @@ class Collector:
             raise
         return self
 
-    def add(self, filenames: str | Sequence[str], frame_idx: Any, frames: Any) -> None:
+    def add(self, filenames: str | Sequence[str], frame_idx: Any, frames: Any, *, ragged: Any = ()) -> None:
         """Add a batch of B frames (as `FrameStore.add`); returns quickly, waits only on back-pressure."""
-        self._active().add(filenames, frame_idx, frames)
+        self._active().add(filenames, frame_idx, frames, ragged=ragged)
 
     def update(self, predictions: Mapping[str, Any]) -> None:
         """Add ``{filename: (frame_idx, value)}`` or ``{filename: [(frame_idx, value), ...]}``."""

@@ -11,7 +11,9 @@ absolute difference), and then either dropped or refused, as the policy says:
 - ``DuplicatePolicy("close", rtol=..., atol=...)``: a difference beyond ``torch.isclose``'s
   tolerance raises; closer copies are dropped and counted as inexact.
 
-The kept copy is the one from the lowest rank (in one merge; see `tdgather.merge`).
+The kept copy is the one from the lowest rank (in one merge; see `tdgather.merge`). Copies
+whose ragged leaf has another number of rows (a detector that kept one more box) are inexact,
+with an infinite difference: ``"keep"`` keeps the first, the strict policies refuse them.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Any
 import torch
 
 from .errors import DuplicateFrameError
-from .frames import Layout, row_view
+from .frames import Layout
+from .ragged import Ragged
+from .rows import row_view
 
 __all__ = ["DuplicateCounts", "DuplicatePolicy", "Verdict", "compare", "conflict", "json_same"]
 
@@ -118,32 +122,44 @@ def json_same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def compare(
-    layout: Layout, new: list[torch.Tensor], old: list[torch.Tensor], new_json: list, old_json: list, policy: Any
-) -> Verdict:
+def compare(layout: Layout, new: list[Any], old: list[Any], new_json: list, old_json: list, policy: Any) -> Verdict:
     """Compare K copies (``new``: leaves ``[K, ...]``) with the frames they repeat (``old``).
 
     Args:
         layout: the frames' layout.
-        new: the copies' tensor leaves, ``[K, ...]`` each.
+        new: the copies' tensor leaves, ``[K, ...]`` each (a `Ragged` of K frames for a ragged leaf).
         old: the kept frames' tensor leaves, row k against row k of ``new``.
         new_json: the copies' JSON leaves, K values each.
         old_json: the kept frames' JSON leaves.
         policy: a `DuplicatePolicy` (or its mode name).
     """
     policy = DuplicatePolicy.of(policy)
-    k = new[0].shape[0] if new else (len(new_json[0]) if new_json else 0)
+    k = len(new[0]) if new else (len(new_json[0]) if new_json else 0)
     exact = torch.ones(k, dtype=torch.bool)
     close = torch.ones(k, dtype=torch.bool)
     diff = torch.zeros(k, dtype=torch.float64)
-    for a, b in zip(new, old, strict=True):
+    json_diff: dict[int, str] = {}
+    for leaf, a, b in zip(layout.leaves, new, old, strict=True):
+        if isinstance(a, Ragged):
+            same = a.lengths == b.lengths
+            for i in (~same).nonzero().flatten().tolist():
+                n, m = int(a.lengths[i]), int(b.lengths[i])
+                json_diff.setdefault(i, f"key {'.'.join(leaf.path) or '<tensor>'!r}: {n} rows against {m}")
+            rows = same.nonzero().flatten()
+            e, d, c = _ragged_difference(a.index_select(0, rows), b.index_select(0, rows), policy)
+            exact[rows] &= e
+            close[rows] &= c
+            diff[rows] = torch.maximum(diff[rows], d)
+            exact &= same
+            close &= same
+            diff[~same] = math.inf
+            continue
         if not a[:1].numel():
             continue
         exact &= (row_view(a, 1) == row_view(b, 1)).all(1)
         d, c = _difference(a.reshape(k, -1), b.reshape(k, -1), policy)
         diff = torch.maximum(diff, d)
         close &= c
-    json_diff: dict[int, str] = {}
     for path, a, b in zip(layout.nontensor, new_json, old_json, strict=True):
         same = torch.tensor([json_same(x, y) for x, y in zip(a, b, strict=True)], dtype=torch.bool)
         exact &= same
@@ -154,6 +170,22 @@ def compare(
     inexact = ~exact
     max_diff = float(diff[inexact].max()) if bool(inexact.any()) else 0.0
     return Verdict(DuplicateCounts(int(exact.sum()), int(inexact.sum()), max_diff), refused, diff, json_diff)
+
+
+def _ragged_difference(a: Ragged, b: Ragged, policy: DuplicatePolicy) -> tuple[torch.Tensor, ...]:
+    """Per frame of two columns with the same lengths: bit-exact, largest difference, close."""
+    k = len(a)
+    av, lengths = a.span()
+    bv, _ = b.span()
+    if not av[:1].numel():
+        return torch.ones(k, dtype=torch.bool), torch.zeros(k, dtype=torch.float64), torch.ones(k, dtype=torch.bool)
+    frame = torch.repeat_interleave(torch.arange(k), lengths)  # the frame of each value row
+    rows = av.shape[0]
+    d, c = _difference(av.reshape(rows, -1), bv.reshape(rows, -1), policy)
+    differ = torch.zeros(k, dtype=torch.int64).index_add_(0, frame, (row_view(av, 1) != row_view(bv, 1)).any(1).long())
+    far = torch.zeros(k, dtype=torch.int64).index_add_(0, frame, (~c).long())
+    most = torch.zeros(k, dtype=torch.float64).scatter_reduce_(0, frame, d, "amax")
+    return differ == 0, most, far == 0
 
 
 def _difference(a: torch.Tensor, b: torch.Tensor, policy: DuplicatePolicy) -> tuple[torch.Tensor, torch.Tensor]:

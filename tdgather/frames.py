@@ -16,25 +16,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import NonTensorStack, TensorDict, is_non_tensor, is_tensorclass, tensorclass
+from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, is_non_tensor, is_tensorclass, tensorclass
 from tensordict.base import TensorDictBase
 
 from ._dtypes import dtype_from_name, dtype_name, supported_list
-from .errors import UnsupportedValueError
+from .errors import ShapeMismatchError, UnsupportedValueError
+from .ragged import Ragged
 
 __all__ = [
     "Frames",
     "Layout",
     "Leaf",
+    "RaggedSpec",
     "flatten",
-    "gather_rows",
+    "ragged_hint",
     "rebuild",
-    "row_view",
-    "run_start",
-    "scatter_rows",
 ]
 
 Path = tuple[str, ...]
+RaggedSpec = bool | frozenset[str]  # the leaves named ragged by the caller (dotted paths), or True: all
 _JSON_SCALARS = (str, int, float, bool, type(None))
 
 
@@ -44,7 +44,8 @@ class Frames:
 
     Attributes:
         frame_idx: LongTensor ``[T]``, strictly increasing.
-        frames: ``Tensor[T, ...]``, or a TensorDict / tensorclass with batch size ``[T]``.
+        frames: ``Tensor[T, ...]``, or a TensorDict / tensorclass with batch size ``[T]``. A ragged
+            leaf (its first dim differs per frame) is a jagged nested tensor ``[T, j, ...]``.
     """
 
     frame_idx: torch.Tensor
@@ -53,11 +54,24 @@ class Frames:
 
 @dataclass(frozen=True)
 class Leaf:
-    """One tensor leaf of a frame: where it sits, its dtype and its per-frame shape."""
+    """One tensor leaf of a frame: where it sits, its dtype and its per-frame shape.
+
+    A ragged leaf has ``N_i`` rows in frame ``i``; ``shape`` is then the shape of one row.
+    """
 
     path: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
+    ragged: bool = False
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one frame (a fixed leaf) or of one row (a ragged leaf)."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def dims(self) -> str:
+        """The per-frame shape as messages show it: ``[3, 4]``, or ``[*, 4]`` when ragged."""
+        return "[" + ", ".join(["*"] * self.ragged + [str(d) for d in self.shape]) + "]"
 
 
 @dataclass(frozen=True)
@@ -81,11 +95,13 @@ class Layout:
 
         >>> Layout("tensor", None, (Leaf((), torch.float32, (3, 4)),)).describe()
         'float32[3, 4]'
+        >>> Layout("tree", None, (Leaf(("boxes",), torch.float32, (4,), ragged=True),)).describe()
+        '{boxes: float32[*, 4]}'
         """
         if self.kind == "tensor":
             leaf = self.leaves[0]
-            return f"{dtype_name(leaf.dtype)}{list(leaf.shape)}"
-        parts = [f"{'.'.join(leaf.path)}: {dtype_name(leaf.dtype)}{list(leaf.shape)}" for leaf in self.leaves]
+            return f"{dtype_name(leaf.dtype)}{leaf.dims()}"
+        parts = [f"{'.'.join(leaf.path)}: {dtype_name(leaf.dtype)}{leaf.dims()}" for leaf in self.leaves]
         parts += [f"{'.'.join(p)}: json" for p in self.nontensor]
         name = self.cls.rsplit(":", 1)[-1] if self.cls else ""
         return f"{name}{{{', '.join(parts)}}}"
@@ -96,7 +112,9 @@ class Layout:
             "kind": self.kind,
             "cls": self.cls,
             "leaves": [
-                {"path": list(x.path), "dtype": dtype_name(x.dtype), "shape": list(x.shape)} for x in self.leaves
+                {"path": list(x.path), "dtype": dtype_name(x.dtype), "shape": list(x.shape)}
+                | ({"ragged": True} if x.ragged else {})
+                for x in self.leaves
             ],
             "json": [list(p) for p in self.nontensor],
         }
@@ -109,21 +127,64 @@ class Layout:
         >>> Layout.from_json(lay.to_json()) == lay
         True
         """
-        leaves = tuple(Leaf(tuple(x["path"]), dtype_from_name(x["dtype"]), tuple(x["shape"])) for x in obj["leaves"])
+        leaves = tuple(
+            Leaf(tuple(x["path"]), dtype_from_name(x["dtype"]), tuple(x["shape"]), bool(x.get("ragged")))
+            for x in obj["leaves"]
+        )
         return Layout(obj["kind"], obj["cls"], leaves, tuple(tuple(p) for p in obj["json"]))
 
     @property
     def frame_nbytes(self) -> int:
-        """Bytes of tensor data in one frame."""
-        return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in self.leaves)
+        """Bytes of tensor data in one frame, ragged leaves not counted (their size varies)."""
+        return sum(leaf.row_nbytes for leaf in self.leaves if not leaf.ragged)
+
+    @property
+    def ragged(self) -> bool:
+        """Whether a leaf is ragged."""
+        return any(leaf.ragged for leaf in self.leaves)
+
+
+def ragged_hint(a: Layout, b: Layout) -> str:
+    """For two layouts of one filename: how to declare the leaves whose first dim is all that differs.
+
+    "" when something else differs too (a dtype, a later dim, the structure).
+
+    >>> fixed = Layout("tree", None, (Leaf(("boxes",), torch.float32, (3, 4)),))
+    >>> ragged_hint(fixed, Layout("tree", None, (Leaf(("boxes",), torch.float32, (5, 4)),)))[-53:]
+    "add(..., ragged=['boxes']) or a jagged nested tensor"
+    """
+
+    def row(x: Leaf) -> tuple | None:  # dtype and the shape of one row, for a leaf that has rows
+        return (x.dtype, x.shape) if x.ragged else (x.dtype, x.shape[1:]) if x.shape else None
+
+    if (a.kind, a.cls, a.nontensor, [x.path for x in a.leaves]) != (
+        b.kind,
+        b.cls,
+        b.nontensor,
+        [x.path for x in b.leaves],
+    ):
+        return ""
+    names = []
+    for x, y in zip(a.leaves, b.leaves, strict=True):
+        if x != y:
+            if row(x) is None or row(x) != row(y):
+                return ""
+            names.append(".".join(x.path))
+    if not names:
+        return ""
+    spec = True if a.kind == "tensor" else names
+    return (
+        "; if a leaf's first dim changes from frame to frame, declare it ragged: "
+        f"add(..., ragged={spec!r}) or a jagged nested tensor"
+    )
 
 
 def _check_tensor(t: torch.Tensor, where: str) -> None:
     problem = None
-    if t.layout != torch.strided:
+    if t.is_nested:
+        problem = "a nested tensor for one frame (a batch of frames may be a jagged nested tensor)"
+    elif t.layout != torch.strided:
         problem = f"layout {t.layout}"
-    elif t.is_nested:
-        problem = "a nested tensor"
     elif t.is_quantized:
         problem = "a quantized tensor"
     elif t.device.type == "meta":
@@ -145,43 +206,116 @@ def _check_json(value: Any, where: str) -> None:
         )
 
 
-def flatten(value: Any, batch: int | None, where: str) -> tuple[Layout, list[torch.Tensor], list[Any]]:
+def flatten(
+    value: Any, batch: int | None, where: str, ragged: RaggedSpec = frozenset()
+) -> tuple[Layout, list[Any], list[Any]]:
     """Split a frame value into its layout, tensor leaves and JSON leaves.
 
     Args:
-        value: one frame (``batch=None``) or a batch of ``batch`` frames (leading dim).
+        value: one frame (``batch=None``) or a batch of ``batch`` frames: a tensor, dict,
+            TensorDict or tensorclass with that leading dim, or a list of ``batch`` frames
+            (or a ``LazyStackedTensorDict`` of them). A jagged nested tensor in a batch is a
+            ragged leaf, and so is, in a list, a tensor whose first dim differs between frames.
         batch: the batch size, or None for a single frame.
         where: what to name in error messages (a filename, a key).
+        ragged: leaves to make ragged even where every frame has the same first dim (dotted
+            paths; True: every tensor leaf of at least one dim).
 
     Returns:
-        ``(layout, tensors, json)``: for a batch, each JSON leaf is a list of ``batch`` values.
+        ``(layout, tensors, json)``: a ragged leaf's tensor is a `tdgather.ragged.Ragged`; for a
+        batch, each JSON leaf is a list of ``batch`` values.
 
     >>> lay, t, j = flatten({"m": torch.zeros(2, 3), "s": ["a", "b"]}, 2, "x")
     >>> lay.describe(), j
     ('{m: float32[3], s: json}', [['a', 'b']])
+    >>> flatten([torch.zeros(2, 4), torch.zeros(0, 4)], 2, "x")[0].describe()
+    'float32[*, 4]'
     """
-    if isinstance(value, torch.Tensor):
-        _check_tensor(value, where)
-        return Layout("tensor", None, (Leaf((), value.dtype, _frame_shape(value, batch, where)),)), [value], []
+    if batch is not None and isinstance(value, LazyStackedTensorDict):
+        value = list(value.unbind(0))
+    if batch is not None and isinstance(value, list | tuple):
+        return _flatten_list(value, batch, where, ragged)
+    if isinstance(value, torch.Tensor | Ragged):
+        leaf, t = _leaf(value, (), batch, where, ragged)
+        return Layout("tensor", None, (leaf,)), [t], []
     cls = None
     if is_tensorclass(value):
         cls = f"{type(value).__module__}:{type(value).__qualname__}"
         value = value._tensordict
     if not isinstance(value, Mapping | TensorDictBase):
         raise UnsupportedValueError(
-            f"{where}: expected a tensor, or a dict / TensorDict / tensorclass of tensors, got {type(value).__name__}"
+            f"{where}: expected a tensor, or a dict / TensorDict / tensorclass of tensors"
+            f"{', or a list of frames' if batch is not None else ''}, got {type(value).__name__}"
         )
     found: list[tuple[Path, Any, bool]] = []
     _walk(value, (), batch, where, found)
     leaves, tensors, json_paths, json_values = [], [], [], []
     for path, v, is_tensor in found:
         if is_tensor:
-            leaves.append(Leaf(path, v.dtype, _frame_shape(v, batch, f"{where} key {'.'.join(path)!r}")))
-            tensors.append(v)
+            leaf, t = _leaf(v, path, batch, f"{where} key {'.'.join(path)!r}", ragged)
+            leaves.append(leaf)
+            tensors.append(t)
         else:
             json_paths.append(path)
             json_values.append(v)
     return Layout("tree", cls, tuple(leaves), tuple(json_paths)), tensors, json_values
+
+
+def _named(path: Path, ragged: RaggedSpec) -> bool:
+    return ragged is True or (bool(ragged) and ".".join(path) in ragged)
+
+
+def _leaf(v: Any, path: Path, batch: int | None, where: str, ragged: RaggedSpec) -> tuple[Leaf, Any]:
+    """One tensor leaf: its `Leaf` and what is stored (the tensor, or a `Ragged`)."""
+    if batch is not None and isinstance(v, torch.Tensor) and v.is_nested:
+        v = Ragged.from_nested(v, where)
+    if isinstance(v, Ragged):
+        _check_tensor(v.values, where)
+        if len(v) != batch:
+            raise ValueError(f"{where}: expected {batch} frames, got a ragged leaf of {len(v)}")
+        return Leaf(path, v.dtype, tuple(v.values.shape[1:]), True), v
+    _check_tensor(v, where)
+    shape = _frame_shape(v, batch, where)
+    if batch is None or not _named(path, ragged):
+        return Leaf(path, v.dtype, shape), v
+    if not shape:
+        if ragged is True:
+            return Leaf(path, v.dtype, shape), v  # one value per frame: nothing to be ragged
+        raise ValueError(f"{where}: named ragged, but it holds one value per frame (shape {list(v.shape)})")
+    n = shape[0]  # every frame has n rows: a view, offsets 0, n, 2n, ...
+    return Leaf(path, v.dtype, shape[1:], True), Ragged(v.reshape(batch * n, *shape[1:]), torch.arange(batch + 1) * n)
+
+
+def _flatten_list(items: list | tuple, batch: int, where: str, ragged: RaggedSpec) -> tuple[Layout, list, list]:
+    """A list of ``batch`` frames as one batch: leaves stacked, or joined as `Ragged` where they vary."""
+    if len(items) != batch:
+        raise ValueError(f"{where}: expected a list of {batch} frames (one per filename), got {len(items)}")
+    if not items:
+        return Layout("tree", None, ()), [], []
+    per = [flatten(item, None, f"{where}[{k}]") for k, item in enumerate(items)]
+    first = per[0][0]
+
+    def skeleton(lay: Layout) -> tuple:
+        rows = tuple((x.path, x.dtype, len(x.shape), x.shape[1:]) for x in lay.leaves)
+        return lay.kind, lay.cls, rows, lay.nontensor
+
+    for k, (lay, _, _) in enumerate(per):
+        if skeleton(lay) != skeleton(first):
+            raise ShapeMismatchError(
+                f"{where}: frame {k} of the list has {lay.describe()} but frame 0 has {first.describe()}; the frames "
+                "of a batch must share their structure and dtypes (only the first dim of a leaf may differ)"
+            )
+    leaves, tensors = [], []
+    for j, leaf in enumerate(first.leaves):
+        ts = [p[1][j] for p in per]
+        if leaf.shape and (_named(leaf.path, ragged) or any(t.shape[0] != leaf.shape[0] for t in ts)):
+            leaves.append(Leaf(leaf.path, leaf.dtype, leaf.shape[1:], True))
+            tensors.append(Ragged.from_list(ts))
+        else:
+            leaves.append(leaf)
+            tensors.append(torch.stack([t.detach() for t in ts]))
+    json = [[p[2][j] for p in per] for j in range(len(first.nontensor))]
+    return Layout(first.kind, first.cls, tuple(leaves), first.nontensor), tensors, json
 
 
 def _frame_shape(t: torch.Tensor, batch: int | None, where: str) -> tuple[int, ...]:
@@ -202,8 +336,7 @@ def _walk(node: Any, path: Path, batch: int | None, where: str, out: list) -> No
         v = node.get(key) if isinstance(node, TensorDictBase) else node[key]
         if isinstance(node, TensorDictBase) and is_non_tensor(v):
             v = v.tolist() if batch is not None else v.data
-        if isinstance(v, torch.Tensor):
-            _check_tensor(v, label)
+        if isinstance(v, torch.Tensor | Ragged):
             out.append((sub, v, True))
         elif isinstance(v, Mapping | TensorDictBase) or is_tensorclass(v):
             _walk(v._tensordict if is_tensorclass(v) else v, sub, batch, where, out)
@@ -216,12 +349,14 @@ def _walk(node: Any, path: Path, batch: int | None, where: str, out: list) -> No
             out.append((sub, list(v) if batch is not None else v, False))
 
 
-def rebuild(layout: Layout, count: int, tensors: list[torch.Tensor], json: list[list]) -> Any:
+def rebuild(layout: Layout, count: int, tensors: list[Any], json: list[list]) -> Any:
     """Turn leaves of ``count`` frames back into a tensor, TensorDict or tensorclass.
 
+    A ragged leaf (a `Ragged`) becomes a jagged nested tensor, a view of its values.
     A tensorclass comes back as its class when that class is already imported in
     this process; tdgather never imports a module named by a peer.
     """
+    tensors = [t.to_nested() if isinstance(t, Ragged) else t for t in tensors]
     if layout.kind == "tensor":
         return tensors[0]
     td = TensorDict({}, batch_size=[count])
@@ -241,61 +376,3 @@ def _loaded_tensorclass(name: str | None) -> type | None:
     for attr in qualname.split("."):
         obj = getattr(obj, attr, None) if obj is not None else None
     return obj if isinstance(obj, type) and is_tensorclass(obj) else None
-
-
-_WIDTHS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
-def _row_width(t: torch.Tensor) -> int:
-    nbytes = math.prod(t.shape[1:]) * t.dtype.itemsize
-    offset = t.storage_offset() * t.dtype.itemsize
-    return next(w for w in _WIDTHS if nbytes % w == 0 and offset % w == 0 and (nbytes or w == 1))
-
-
-def row_view(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
-    """View ``[B, ...]`` as integer rows ``[B, k]``, bit-exact, as wide as the frame size allows.
-
-    Copying, scattering and comparing whole rows through the widest integer view is
-    dtype-agnostic (bool, float8, NaN bits) and fast. Only non-contiguous input is copied.
-
-    >>> row_view(torch.ones(2, 3, dtype=torch.float16)).dtype, row_view(torch.ones(2, 2)).shape
-    (torch.int16, torch.Size([2, 1]))
-    """
-    t = t.contiguous()
-    width = width or _row_width(t)
-    nbytes = math.prod(t.shape[1:]) * t.dtype.itemsize
-    return t.view(-1).view(torch.uint8).view(_WIDTHS[width]).view(t.shape[0], nbytes // width)
-
-
-def gather_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
-    """``dst[i] = src[index[i]]`` for whole rows, bit-exact, in one kernel."""
-    src = src.contiguous()
-    width = min(_row_width(dst), _row_width(src))
-    torch.index_select(row_view(src, width), 0, index, out=row_view(dst, width))
-
-
-def scatter_rows(dst: torch.Tensor, target: int | torch.Tensor, src: torch.Tensor) -> None:
-    """Copy the rows of ``src`` into ``dst``: from row ``target`` on, or to the rows it lists."""
-    src = src.contiguous()
-    if isinstance(target, int):
-        dst = dst[target : target + src.shape[0]]
-    width = min(_row_width(dst), _row_width(src))
-    if isinstance(target, int):
-        row_view(dst, width).copy_(row_view(src, width))
-    else:
-        row_view(dst, width).index_copy_(0, target, row_view(src, width))
-
-
-def run_start(positions: torch.Tensor) -> int | None:
-    """The first position when ``positions`` is one increasing run (a plain copy will do), else None.
-
-    >>> run_start(torch.tensor([4, 5, 6])), run_start(torch.tensor([4, 6]))
-    (4, None)
-    """
-    if positions.numel() == 0:
-        return 0
-    first = int(positions[0])
-    last = int(positions[-1])
-    if last - first + 1 == positions.numel() and bool((positions.diff() == 1).all()):
-        return first
-    return None

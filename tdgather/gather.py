@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import math
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -36,11 +35,13 @@ import torch.distributed as dist
 
 from .duplicates import DuplicateCounts, DuplicatePolicy
 from .errors import FrameConflictError, PeerLostError, ProtocolError, TdgatherError
-from .frames import Frames, run_start, scatter_rows
+from .frames import Frames
 from .merge import merge
 from .pack import pack
 from .plan import Group, Part, Placement, place, scatter_chunks
 from .protocol import Joiner, as_bytes, end_stream, expect_done, read_frames, read_pieces, send_frames
+from .ragged import values_of
+from .rows import run_start, scatter_rows
 from .store import FrameStore, as_store
 from .transport import (
     Answers,
@@ -238,7 +239,8 @@ class _Receive:
         self.placements: list[tuple[Placement, list[Part]]] = []
         self.buffers: list[list[torch.Tensor]] = []
         self.landed: list[torch.Tensor] = []
-        self.dest: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (rank, id(part)) -> placement, rows
+        # (rank, id(part)) -> placement, its rows' places, each leaf's row places (`Placement.leaf_dest`)
+        self.dest: dict[tuple[int, int], tuple[int, torch.Tensor, list[torch.Tensor]]] = {}
         self.discard = False  # placing failed: read the pieces only to keep the streams in step
         # a frame index still missing after this long: every peer's pieces are received as they
         # come and merged at the end, so that a straggler's timeout (which closes every gloo pair
@@ -311,8 +313,8 @@ class _Receive:
             if msg.kind != Kind.DATA:
                 raise ProtocolError(peer, "prelude.kind", f"expected data (1) or error (3), got {int(msg.kind)}")
             self.parts[peer] = [
-                Part(peer, g.layout, list(msg.header.files), ids, idx, list(g.json))
-                for g, (ids, idx) in zip(msg.header.groups, msg.index, strict=True)
+                Part(peer, g.layout, list(msg.header.files), ids, idx, list(g.json), lengths=lengths)
+                for g, (ids, idx, lengths) in zip(msg.header.groups, msg.index, strict=True)
             ]
         finally:
             self.planned[peer].set()
@@ -339,14 +341,14 @@ class _Receive:
         for k, (placement, members) in enumerate(self.placements):
             self.buffers.append(placement.allocate())
             self.landed.append(torch.zeros(placement.num_frames + placement.kept.numel(), dtype=torch.bool))
-            for part, dest in zip(members, placement.dest, strict=True):
-                self.dest[(part.rank, id(part))] = (k, dest)
+            for part, dest, leaf_dest in zip(members, placement.dest, placement.leaf_dest, strict=True):
+                self.dest[(part.rank, id(part))] = (k, dest, leaf_dest)
 
     def _land_local(self) -> None:
         for part in self.parts[self.rank]:
-            k, dest = self.dest.get((self.rank, id(part)), (None, None))
+            k, dest, leaf_dest = self.dest.get((self.rank, id(part)), (None, None, None))
             if k is not None:
-                scatter_chunks(self.buffers[k], dest, part.chunks)
+                scatter_chunks(self.buffers[k], leaf_dest, part.chunks)
                 self.landed[k][dest] = True
 
     def _result(self) -> Gathered:
@@ -396,13 +398,14 @@ class _Landing:
         self.early: list[tuple[int, int, int, int, torch.Tensor]] = []
         self.early_bytes = 0
         self.started = False
+        self.ends: dict[int, torch.Tensor] = {}  # group -> where each frame's rows end in its last leaf (ragged)
 
     def _start(self) -> None:
         """Once placed: groups with no pieces (no tensor bytes) have landed with their data message."""
         self.started = True
         for g, last in enumerate(self.last):
             if last < 0 and not self.receive.discard:
-                k, dest = self.receive.dest[(self.peer, id(self.parts[g]))]
+                k, dest, _ = self.receive.dest[(self.peer, id(self.parts[g]))]
                 self.receive.landed[k][dest] = True
 
     def finish(self, last_whole: bool = True) -> None:
@@ -423,14 +426,31 @@ class _Landing:
     def _land_rows(self, g: int, j: int, first: int, rows: int, into: torch.Tensor) -> None:
         """Scatter rows received into ``into`` to their places."""
         leaf = self.parts[g].layout.leaves[j]
-        k, dest = self.receive.dest[(self.peer, id(self.parts[g]))]
-        d = dest[first : first + rows]
-        scatter_rows(self.receive.buffers[k][j], d, into.view(leaf.dtype).view(rows, *leaf.shape))
-        _mark(self.receive.landed[k], d if j == self.last[g] else None)
+        k, dest, leaf_dest = self.receive.dest[(self.peer, id(self.parts[g]))]
+        d = leaf_dest[j][first : first + rows]
+        scatter_rows(values_of(self.receive.buffers[k][j]), d, into.view(leaf.dtype).view(rows, *leaf.shape))
+        _mark(self.receive.landed[k], self._done(g, j, first, rows, dest))
+
+    def _done(self, g: int, j: int, first: int, rows: int, dest: torch.Tensor) -> torch.Tensor | None:
+        """The places of the frames whose last bytes are rows ``first .. first + rows - 1`` of leaf ``j``.
+
+        A frame has landed with its last leaf that has pieces; of a ragged leaf, ``rows`` are
+        value rows, and a frame is in once its values have all come (its end is inside the piece).
+        """
+        if j != self.last[g]:
+            return None
+        part = self.parts[g]
+        if not part.layout.leaves[j].ragged:
+            return dest[first : first + rows]
+        if g not in self.ends:
+            self.ends[g] = torch.cumsum(part.lengths[j], 0)
+        ends = self.ends[g]
+        lo = int(torch.searchsorted(ends, first, right=True)) if first else 0
+        return dest[lo : int(torch.searchsorted(ends, first + rows, right=True))]
 
     def land(self, g: int, j: int, first: int, rows: int) -> tuple[torch.Tensor, Any]:
         leaf = self.parts[g].layout.leaves[j]
-        nbytes = rows * leaf.dtype.itemsize * math.prod(leaf.shape)
+        nbytes = rows * leaf.row_nbytes
         if not self.started:
             if not self.receive.placed.is_set() and self.early_bytes + nbytes <= self.EARLY_BYTES:
                 into = torch.empty(nbytes, dtype=torch.uint8)
@@ -455,10 +475,10 @@ class _Landing:
 
     def _land_now(self, g: int, j: int, first: int, rows: int, leaf: Any, nbytes: int) -> tuple[torch.Tensor, Any]:
         if not self.receive.discard:
-            k, dest = self.receive.dest[(self.peer, id(self.parts[g]))]
-            d = dest[first : first + rows]
-            buf, landed = self.receive.buffers[k][j], self.receive.landed[k]
-            mark = d if j == self.last[g] else None
+            k, dest, leaf_dest = self.receive.dest[(self.peer, id(self.parts[g]))]
+            d = leaf_dest[j][first : first + rows]
+            buf, landed = values_of(self.receive.buffers[k][j]), self.receive.landed[k]
+            mark = self._done(g, j, first, rows, dest)
             start = run_start(d)
             if start is not None:  # one run: straight into place
                 return as_bytes(buf[start : start + rows]), lambda: _mark(landed, mark)

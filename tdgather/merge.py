@@ -130,8 +130,8 @@ def merge(parts: list[Part], duplicates: Any = "keep", by_reference: bool = Fals
         buffers = _references(placement, members) if by_reference else None
         if buffers is None:
             buffers = placement.allocate()
-            for part, dest in zip(members, placement.dest, strict=True):
-                scatter_chunks(buffers, dest, part.chunks)
+            for part, dests in zip(members, placement.leaf_dest, strict=True):
+                scatter_chunks(buffers, dests, part.chunks)
         found += placement.check_duplicates(buffers, duplicates)
         groups.append(placement.group(buffers))
     return Merged(groups, found, ranks_of(parts))
@@ -140,7 +140,7 @@ def merge(parts: list[Part], duplicates: Any = "keep", by_reference: bool = Fals
 def _references(placement: Placement, members: list[Part]) -> list[Rows] | None:
     """Each leaf as `Rows` over the members' batches, or None where the runs are too short for it."""
     chunks = [c for part in members for c in part.chunks]
-    if not chunks or not placement.layout.leaves:
+    if not chunks or not placement.layout.leaves or placement.layout.ragged:
         return None
     rows = torch.tensor([c[0].shape[0] for c in chunks], dtype=torch.int64)
     starts = torch.cumsum(rows, 0) - rows

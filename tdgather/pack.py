@@ -1,8 +1,9 @@
 """Stage 2a, pack: a store as one data message and its pieces, without copying large batches.
 
-The data message carries the frame index (per layout group: frame_idx, and the filename of
-each row as (file id, row count) runs) in the order the store holds the rows. Every tensor
-leaf then follows as pieces, rows in that same order:
+The data message carries the frame index (per layout group: frame_idx, the filename of each
+row as (file id, row count) runs, and each ragged leaf's rows per frame) in the order the store
+holds the rows. Every tensor leaf then follows as pieces, rows in that same order (a ragged
+leaf's values: its frames' rows back to back, no padding):
 
 - a batch of at least `PIECE_MIN` bytes goes on the wire as it is (cut into pieces of at most
   `PIECE_MAX` bytes, whole rows), with no copy;
@@ -14,14 +15,13 @@ gloo costs about 25 µs a message and reaches full speed from 256 KiB, hence the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ._dtypes import dtype_name
 from .store import FrameStore
-from .wire import index_offsets
+from .wire import ALIGN, index_offsets
 
 __all__ = ["PIECE_MAX", "PIECE_MIN", "PIECE_TARGET", "Packed", "pack"]
 
@@ -49,10 +49,15 @@ def pack(store: FrameStore) -> Packed:
         run_ids, run_rows = torch.unique_consecutive(ids, return_counts=True)
         fits = bool(idx.min() >= -(2**31)) and bool(idx.max() < 2**31)
         index_dtype = torch.int32 if fits else torch.int64
-        cuts = []
+        cuts, elems, lengths = [], [], []
         for j, leaf in enumerate(layout.leaves):
-            counts, leaf_pieces = _cut([c.tensors[j] for c in chunks], math.prod(leaf.shape) * leaf.dtype.itemsize)
+            columns = [c.tensors[j] for c in chunks]
+            if leaf.ragged:
+                lengths.append(torch.cat([r.lengths for r in columns]))
+                columns = [r.values for r in columns]
+            counts, leaf_pieces = _cut(columns, leaf.row_nbytes)
             cuts.append(counts)
+            elems.append(sum(t.shape[0] for t in columns))
             pieces += leaf_pieces
         json = [[v for c in chunks for v in c.json[j]] for j in range(len(layout.nontensor))]
         groups.append(
@@ -63,17 +68,23 @@ def pack(store: FrameStore) -> Packed:
                 "runs": run_ids.numel(),
                 "json": json,
                 "pieces": cuts,
+                "elems": elems,
             }
         )
-        index.append((idx.to(index_dtype), torch.stack([run_ids, run_rows], dim=1)))
-        specs.append((idx.numel(), index_dtype.itemsize, run_ids.numel()))
+        index.append((idx.to(index_dtype), torch.stack([run_ids, run_rows], dim=1), lengths))
+        specs.append((idx.numel(), index_dtype.itemsize, run_ids.numel(), len(lengths)))
     payload = None
     if specs:
         offsets = index_offsets(specs)
         payload = torch.zeros(offsets[-1], dtype=torch.uint8)
-        for k, (idx, runs) in enumerate(index):
-            for at, t in ((offsets[2 * k], idx), (offsets[2 * k + 1], runs)):
-                payload[at : at + t.numel() * t.element_size()].view(t.dtype).copy_(t.reshape(-1))
+        for k, (idx, runs, lengths) in enumerate(index):
+            at = offsets[3 * k + 2]
+            places = [(offsets[3 * k], idx), (offsets[3 * k + 1], runs)]
+            for n in lengths:
+                places.append((at, n))
+                at += -(-n.numel() * 8 // ALIGN) * ALIGN
+            for start, t in places:
+                payload[start : start + t.numel() * t.element_size()].view(t.dtype).copy_(t.reshape(-1))
     header = {"files": store.names, "groups": groups}
     return Packed(header, payload, pieces, len(store))
 

@@ -9,7 +9,10 @@ Rank dst has every sender's filenames and frame indexes before any payload arriv
    copy (``DistributedSampler`` padding) gets a row past the result's end, kept only until it
    is compared with the first (`Placement.check_duplicates`);
 3. so each source row's place is one int64: a payload lands with one scatter, or is received
-   straight into place when its rows form one run.
+   straight into place when its rows form one run;
+4. a ragged leaf's buffer is its values, frames back to back in buffer-row order: from every
+   row's length its offsets follow, and from those each source value row's place
+   (`Placement.leaf_dest`), so ragged values land the same way.
 
 The result of a layout is a `Group`: columnar frames (sorted filenames, counts, frame_idx, one
 buffer per leaf). `Frames` are built from a group only when a file is accessed.
@@ -25,7 +28,9 @@ import torch
 
 from .duplicates import DuplicateCounts, compare, conflict
 from .errors import ShapeMismatchError
-from .frames import Frames, Layout, rebuild, run_start, scatter_rows
+from .frames import Frames, Layout, ragged_hint, rebuild
+from .ragged import Ragged, element_index, offsets_of, values_of
+from .rows import run_start, scatter_rows
 
 __all__ = ["Group", "Part", "Placement", "place", "scatter_chunks"]
 
@@ -36,7 +41,9 @@ class Part:
 
     Row ``r`` belongs to filename ``files[file_ids[r]]``. ``chunks`` holds the tensor leaves as
     consecutive batches of rows (``chunks[c][j]`` is leaf ``j`` of batch ``c``); it is empty while
-    the payload is still on the wire.
+    the payload is still on the wire. A ragged leaf ``j``'s chunks hold its values' rows, and
+    ``lengths[j]`` (int64 ``[n]``) how many each frame has; ``lengths`` is empty when no leaf is
+    ragged, else None for each leaf that is not.
     """
 
     rank: int
@@ -46,6 +53,7 @@ class Part:
     frame_idx: torch.Tensor  # int64 [n]
     json: list[list]
     chunks: list[list[torch.Tensor]] = field(default_factory=list)
+    lengths: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def num_frames(self) -> int:
@@ -55,7 +63,12 @@ class Part:
     @property
     def nbytes(self) -> int:
         """Tensor bytes of its frames."""
-        return self.num_frames * self.layout.frame_nbytes
+        values = [
+            int(n.sum()) * leaf.row_nbytes
+            for leaf, n in zip(self.layout.leaves, self.lengths, strict=False)
+            if n is not None
+        ]
+        return self.num_frames * self.layout.frame_nbytes + sum(values)
 
     @cached_property
     def names(self) -> list[str]:
@@ -68,7 +81,8 @@ class Group:
     """Frames of one layout, columnar: filenames sorted, each one's rows sorted by ``frame_idx``.
 
     Filename ``files[i]`` holds rows ``starts[i] : starts[i] + counts[i]`` of ``frame_idx``, of
-    every tensor in ``leaves`` (``[N, *leaf.shape]``) and of every list in ``json``.
+    every tensor in ``leaves`` (``[N, *leaf.shape]``; a `Ragged` of N frames for a ragged leaf)
+    and of every list in ``json``.
     """
 
     layout: Layout
@@ -115,16 +129,26 @@ class Placement:
     later_rank: torch.Tensor  # int64 [D]: the rank of the later copy
     json: list[list]  # N values per JSON leaf
     later_json: list[list]  # D values per JSON leaf
+    offsets: list[torch.Tensor | None] = field(default_factory=list)  # per ragged leaf: [N + D + 1]
+    leaf_dest: list[list[torch.Tensor]] = field(default_factory=list)  # per source, per leaf: rows of its buffer
 
     @property
     def num_frames(self) -> int:
         """Frames in the result."""
         return self.frame_idx.numel()
 
-    def allocate(self) -> list[torch.Tensor]:
-        """One buffer per leaf, ``[N + D, *leaf.shape]``: the result, then the later copies."""
+    def allocate(self) -> list[Any]:
+        """One buffer per leaf, ``[N + D, *leaf.shape]``: the result, then the later copies.
+
+        A ragged leaf's buffer is a `Ragged` of N + D frames over new values.
+        """
         rows = self.num_frames + self.kept.numel()
-        return [torch.empty((rows, *leaf.shape), dtype=leaf.dtype) for leaf in self.layout.leaves]
+        return [
+            Ragged(torch.empty((int(off[-1]), *leaf.shape), dtype=leaf.dtype), off)
+            if off is not None
+            else torch.empty((rows, *leaf.shape), dtype=leaf.dtype)
+            for leaf, off in zip(self.layout.leaves, self.offsets or [None] * len(self.layout.leaves), strict=True)
+        ]
 
     def group(self, buffers: list[torch.Tensor]) -> Group:
         """The result: views of the first N rows."""
@@ -138,10 +162,10 @@ class Placement:
         """
         n = self.num_frames
         have = landed[:n].clone()
+        take = torch.arange(n)  # the buffer row each result row is taken from
         if self.kept.numel():
             stand_in = (landed[n:] & ~have[self.kept]).nonzero().flatten()
-            for b in buffers:
-                b[self.kept[stand_in]] = b[n + stand_in]
+            take[self.kept[stand_in]] = n + stand_in
             have[self.kept[stand_in]] = True
         keep = have.nonzero().flatten()
         file_of = torch.repeat_interleave(torch.arange(len(self.files)), torch.tensor(self.counts, dtype=torch.int64))
@@ -151,7 +175,7 @@ class Placement:
             [f for f, c in zip(self.files, counts, strict=True) if c],
             [c for c in counts if c],
             self.frame_idx[keep],
-            [b.index_select(0, keep) for b in buffers],
+            [b.index_select(0, take[keep]) for b in buffers],
             [[values[k] for k in keep.tolist()] for values in self.json],
         )
 
@@ -195,7 +219,7 @@ def place(parts: list[Part]) -> list[tuple[Placement, list[Part]]]:
                 raise ShapeMismatchError(
                     f"filename {name!r}: rank {rank} sent {layout.describe()} but rank {part.rank} sent "
                     f"{part.layout.describe()} (ranks {sorted({rank, part.rank})}); every frame of a filename "
-                    "must have the same structure, shape and dtype"
+                    f"must have the same structure, shape and dtype{ragged_hint(layout, part.layout)}"
                 )
         by_layout.setdefault(part.layout, []).append(part)
     return [(_place_layout(layout, group), group) for layout, group in by_layout.items()]
@@ -250,35 +274,70 @@ def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
         keep_pos, later_list = order[first].tolist(), later_pos.tolist()
         json = [[values[k] for k in keep_pos] for values in json_all]
         later_json = [[values[k] for k in later_list] for values in json_all]
+    dest = list(torch.split(dest_all, sizes))
+    offsets, leaf_dest = _ragged_places(layout, parts, dest, dest_all, n + kept.numel())
     return Placement(
         layout,
         names,
         torch.bincount(first_file, minlength=len(names)).tolist(),
         first_idx,
-        list(torch.split(dest_all, sizes)),
+        dest,
         kept,
         kept_rank,
         later_rank,
         json,
         later_json,
+        offsets,
+        leaf_dest,
     )
+
+
+def _ragged_places(
+    layout: Layout, parts: list[Part], dest: list[torch.Tensor], dest_all: torch.Tensor, rows: int
+) -> tuple[list, list[list[torch.Tensor]]]:
+    """Per ragged leaf, the buffer's offsets; per source and leaf, where its value rows go.
+
+    Buffer row ``dest[r]`` holds source row ``r``, so it has that row's length; a source's value
+    rows of frame ``r`` go to ``offsets[dest[r]]`` on.
+    """
+    if not layout.ragged:
+        return [], [[d] * len(layout.leaves) for d in dest]
+    offsets: list[torch.Tensor | None] = []
+    leaf_dest: list[list[torch.Tensor]] = [[] for _ in parts]
+    for j, leaf in enumerate(layout.leaves):
+        if not leaf.ragged:
+            offsets.append(None)
+            for k, d in enumerate(dest):
+                leaf_dest[k].append(d)
+            continue
+        lengths = torch.empty(rows, dtype=torch.int64)
+        lengths[dest_all] = torch.cat([p.lengths[j] for p in parts])
+        off = offsets_of(lengths)
+        offsets.append(off)
+        for k, (p, d) in enumerate(zip(parts, dest, strict=True)):
+            leaf_dest[k].append(element_index(off[d], p.lengths[j]))
+    return offsets, leaf_dest
 
 
 _SMALL_CHUNK = 1 << 20  # below this average batch size, chunks are joined and scattered in one kernel
 
 
-def scatter_chunks(buffers: list[torch.Tensor], dest: torch.Tensor, chunks: list[list[torch.Tensor]]) -> None:
-    """Copy a part's chunks (consecutive batches of rows) to rows ``dest`` of ``buffers``."""
-    if not chunks or not dest.numel() or not buffers:
+def scatter_chunks(buffers: list[Any], dests: list[torch.Tensor], chunks: list[list[torch.Tensor]]) -> None:
+    """Copy a part's chunks (consecutive batches of rows) to rows ``dests[j]`` of each leaf's buffer.
+
+    A ragged leaf's buffer is a `Ragged`: its chunks' value rows go to rows ``dests[j]`` of its values.
+    """
+    if not chunks or not buffers:
         return
     nbytes = sum(t.numel() * t.element_size() for c in chunks for t in c)
     if len(chunks) > 8 and nbytes < len(chunks) * _SMALL_CHUNK:  # many small batches: one scatter per leaf
         chunks = [[torch.cat([c[j] for c in chunks]) for j in range(len(buffers))]]
-    start = 0
-    for chunk in chunks:
-        rows = chunk[0].shape[0] if chunk else 0
-        d = dest[start : start + rows]
-        start += rows
-        first = run_start(d)
-        for buf, t in zip(buffers, chunk, strict=True):
-            scatter_rows(buf, d if first is None else first, t)
+    runs: dict[int, list] = {}  # leaves that are not ragged share one dest: its runs are found once
+    for j, (buf, dest) in enumerate(zip(buffers, dests, strict=True)):
+        data = values_of(buf)
+        if id(dest) not in runs:
+            bounds = torch.tensor([0] + [c[j].shape[0] for c in chunks]).cumsum(0).tolist()
+            runs[id(dest)] = [(dest[a:b], run_start(dest[a:b])) for a, b in zip(bounds, bounds[1:], strict=False)]
+        for chunk, (d, first) in zip(chunks, runs[id(dest)], strict=True):
+            if d.numel():
+                scatter_rows(data, d if first is None else first, chunk[j])

@@ -15,7 +15,6 @@ heartbeats until then (`tdgather.transport.Answers`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -120,10 +119,11 @@ def read_frames(ch: Channel, msg: Message, take: Callable[[int], torch.Tensor] |
     def column(rows: int, leaf: Leaf) -> torch.Tensor:
         if take is None:
             return torch.empty((rows, *leaf.shape), dtype=leaf.dtype)
-        nbytes = rows * math.prod(leaf.shape) * leaf.dtype.itemsize
+        nbytes = rows * leaf.row_nbytes
         return take(nbytes)[:nbytes].view(leaf.dtype).view(rows, *leaf.shape)
 
-    columns = [[column(g.rows, leaf) for leaf in g.layout.leaves] for g in header.groups]
+    # a ragged leaf's column holds its values: elems rows
+    columns = [[column(n, leaf) for n, leaf in zip(g.elems, g.layout.leaves, strict=True)] for g in header.groups]
 
     def land(g: int, j: int, first: int, rows: int) -> tuple[torch.Tensor, None]:
         return as_bytes(columns[g][j][first : first + rows]), None
@@ -131,8 +131,8 @@ def read_frames(ch: Channel, msg: Message, take: Callable[[int], torch.Tensor] |
     read_pieces(ch, header, land)
     files = list(header.files)
     return [
-        Part(ch.peer, g.layout, files, ids, idx, list(g.json), [columns[k]])
-        for k, (g, (ids, idx)) in enumerate(zip(header.groups, msg.index, strict=True))
+        Part(ch.peer, g.layout, files, ids, idx, list(g.json), [columns[k]], lengths)
+        for k, (g, (ids, idx, lengths)) in enumerate(zip(header.groups, msg.index, strict=True))
     ]
 
 

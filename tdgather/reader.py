@@ -33,6 +33,7 @@ from ._index_check import (
 from ._output import INCOMPLETE_NAME, INDEX_NAME
 from .errors import DatasetError, OutputError
 from .frames import Frames, Layout, rebuild
+from .ragged import Ragged
 
 __all__ = ["Dataset", "open_dataset", "read_segment"]
 
@@ -121,7 +122,7 @@ class Dataset(Mapping[str, Frames]):
         if len(pieces) > 1:  # segments written at different times: merge them by frame_idx
             order = torch.argsort(torch.cat([p[0] for p in pieces]))
             idx = torch.cat([p[0] for p in pieces])[order]
-            tensors = [torch.cat([p[1][j] for p in pieces])[order] for j in range(len(layout.leaves))]
+            tensors = [_cat([p[1][j] for p in pieces]).index_select(0, order) for j in range(len(layout.leaves))]
             rows = order.tolist()
             json_values = [[v for p in pieces for v in p[2][j]] for j in range(len(layout.nontensor))]
             json_values = [[values[r] for r in rows] for values in json_values]
@@ -158,20 +159,39 @@ def read_segment(root: str | os.PathLike, segment: dict, layout: Layout) -> tupl
         return _rows(f, s, group, layout, lo, lo + count)
 
 
+def _cat(columns: list) -> Any:
+    return Ragged.cat(columns) if isinstance(columns[0], Ragged) else torch.cat(columns)
+
+
+def _span(f: Any, c: Check, name: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``lo:hi`` of a blob with offsets (a ragged leaf's values, JSON lines), and their offsets.
+
+    The offsets are checked (non-decreasing, inside the blob) before the blob is read.
+    """
+    offsets = f.get_slice(f"{name}.offsets")[lo : hi + 1]
+    blob = f.get_slice(name)
+    size = blob.get_shape()[0]
+    if bool((offsets.diff() < 0).any()) or int(offsets.min()) < 0 or int(offsets.max()) > size:
+        raise c.fail(f"{name}.offsets", f"non-decreasing offsets in 0..{size} (rows {lo}..{hi})", offsets.tolist()[:20])
+    return offsets, blob[int(offsets[0]) : int(offsets[-1])]
+
+
 def _rows(f: Any, c: Check, group: str, layout: Layout, lo: int, hi: int) -> tuple[torch.Tensor, list, list]:
-    """Rows ``lo:hi`` of a group whose header is checked; JSON offsets and lines are checked as read."""
+    """Rows ``lo:hi`` of a group whose header is checked; offsets and JSON lines are checked as read."""
     idx = f.get_slice(f"{group}.frame_idx")[lo:hi]
-    tensors = [f.get_slice(f"{group}.leaf{j}")[lo:hi] for j in range(len(layout.leaves))]
+    tensors: list[Any] = []
+    for j, leaf in enumerate(layout.leaves):
+        if leaf.ragged:
+            offsets, values = _span(f, c, f"{group}.leaf{j}", lo, hi)
+            tensors.append(Ragged(values, offsets - offsets[0]))
+        else:
+            tensors.append(f.get_slice(f"{group}.leaf{j}")[lo:hi])
     json_values = []
     for j in range(len(layout.nontensor)):
         name = f"{group}.json{j}"
-        offsets = f.get_slice(f"{name}.offsets")[lo : hi + 1]
-        blob = f.get_slice(name)
-        size = blob.get_shape()[0]
-        if bool((offsets.diff() < 0).any()) or int(offsets.min()) < 0 or int(offsets.max()) > size:
-            raise c.fail(f"{name}.offsets", f"non-decreasing offsets in 0..{size} (rows {lo}..{hi})", offsets.tolist())
+        offsets, blob = _span(f, c, name, lo, hi)
         bounds = offsets.tolist()
-        data = blob[bounds[0] : bounds[-1]].numpy().tobytes()
+        data = blob.numpy().tobytes()
         at = [b - bounds[0] for b in bounds]
         lines = (data[a:b] for a, b in zip(at, at[1:], strict=False))
         json_values.append([json_scalar(line, c, f"{name} row {lo + r}") for r, line in enumerate(lines)])

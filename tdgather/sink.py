@@ -9,9 +9,11 @@ Layout of a dataset directory (documented in the README)::
 
 In a shard, the frames of every filename of one layout ("group" ``g<k>``) are
 stored back to back, filenames in sorted order: ``g<k>.frame_idx`` (int64
-``[N]``), one tensor per leaf ``g<k>.leaf<j>`` (``[N, ...]``), and for JSON
-leaves ``g<k>.json<j>`` (UTF-8 JSON lines, uint8) with ``g<k>.json<j>.offsets``
-(int64 ``[N+1]`` byte offsets). The index maps each filename to its segments
+``[N]``), one tensor per leaf ``g<k>.leaf<j>`` (``[N, ...]``; for a ragged leaf its
+values, ``[sum N_i, ...]``, with ``g<k>.leaf<j>.offsets``, int64 ``[N+1]``: frame
+``i``'s rows are ``offsets[i] : offsets[i+1]``), and for JSON leaves
+``g<k>.json<j>`` (UTF-8 JSON lines, uint8) with ``g<k>.json<j>.offsets`` (int64
+``[N+1]`` byte offsets). The index maps each filename to its segments
 (shard, group, first row, frame count), so reading one filename reads only its
 rows. A one-shot `save` gives each filename one segment; a streaming
 `tdgather.Collector` may give it one per shard it wrote while frames arrived.
@@ -48,8 +50,9 @@ from ._output import (
 )
 from .duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
 from .errors import OutputError, ShapeMismatchError
-from .frames import Frames, Layout, flatten
+from .frames import Frames, Layout, flatten, ragged_hint
 from .merge import Rows
+from .ragged import Ragged, offsets_of
 from .reader import read_segment
 
 __all__ = [
@@ -135,7 +138,7 @@ class DatasetWriter:
                 runs = None
                 if not idx.numel():
                     continue
-            nbytes = idx.numel() * (layout.frame_nbytes + 8)
+            nbytes = _frame_bytes(layout, idx, tensors) + 8 * idx.numel()
             if shards[-1] and size + nbytes > self.max_shard_bytes:
                 shards.append([])
                 size = 0
@@ -157,7 +160,7 @@ class DatasetWriter:
                 self._ranks.setdefault(name, set()).update(ranks.get(name, ()))
             self.shards[shard_name] = {
                 "frames": sum(x[2].numel() for x in shard),
-                "bytes": sum(x[2].numel() * x[1].frame_nbytes for x in shard),
+                "bytes": sum(_frame_bytes(x[1], x[2], x[3]) for x in shard),
                 "groups": groups,
             }
             written.append(shard_name)
@@ -173,6 +176,7 @@ class DatasetWriter:
                 f"filename {name!r}: frames already written (from ranks {old_ranks}) have "
                 f"{self._layouts[name].describe()}, new ones (from ranks {new_ranks}) have {layout.describe()}; "
                 "every frame of a filename must have the same structure, shape and dtype"
+                f"{ragged_hint(self._layouts[name], layout)}"
             )
         again = _in_runs(self._written[name], idx)
         if not bool(again.any()):
@@ -387,7 +391,15 @@ def _shard_tensors(shard: list, shard_name: str) -> tuple[dict, list, list]:
             row += idx.numel()
         entries.append((f"{key}.frame_idx", torch.int64, (row,), [x[2] for x in items]))
         for j, leaf in enumerate(layout.leaves):
-            entries.append((f"{key}.leaf{j}", leaf.dtype, (row, *leaf.shape), [x[3][j] for x in items]))
+            column = [x[3][j] for x in items]
+            if leaf.ragged:  # values, then offsets: frame i is rows offsets[i] : offsets[i + 1]
+                spans = [r.span() for r in column]
+                offsets = offsets_of(torch.cat([n for _, n in spans]))
+                values = [v for v, _ in spans]
+                entries.append((f"{key}.leaf{j}", leaf.dtype, (int(offsets[-1]), *leaf.shape), values))
+                entries.append((f"{key}.leaf{j}.offsets", torch.int64, (row + 1,), [offsets]))
+            else:
+                entries.append((f"{key}.leaf{j}", leaf.dtype, (row, *leaf.shape), column))
         for j in range(len(layout.nontensor)):
             lines = [
                 json.dumps(v, ensure_ascii=False, allow_nan=False).encode() + b"\n" for x in items for v in x[4][j]
@@ -397,6 +409,11 @@ def _shard_tensors(shard: list, shard_name: str) -> tuple[dict, list, list]:
             entries.append((f"{key}.json{j}", torch.uint8, (blob.numel(),), [blob]))
             entries.append((f"{key}.json{j}.offsets", torch.int64, (row + 1,), [offsets]))
     return groups, entries, [segment_of[item[0]] for item in shard]
+
+
+def _frame_bytes(layout: Layout, idx: torch.Tensor, tensors: list) -> int:
+    """Tensor bytes of one filename's frames: the fixed leaves', and its ragged leaves' values."""
+    return idx.numel() * layout.frame_nbytes + sum(t.nbytes for t in tensors if isinstance(t, Ragged))
 
 
 def write_safetensors(

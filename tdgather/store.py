@@ -45,8 +45,9 @@ import torch
 import torch.distributed as dist
 
 from .errors import ShapeMismatchError, UnsupportedValueError
-from .frames import Layout, flatten
+from .frames import Layout, RaggedSpec, flatten, ragged_hint
 from .plan import Part
+from .ragged import Ragged
 
 __all__ = ["FrameStore", "as_store"]
 
@@ -60,7 +61,7 @@ _memmove = ctypes.memmove
 class _Chunk:
     file_ids: torch.Tensor  # int64 [B]
     frame_idx: torch.Tensor  # int64 [B]
-    tensors: list[torch.Tensor]  # [B, *leaf.shape], on the CPU
+    tensors: list[Any]  # [B, *leaf.shape] on the CPU; a `Ragged` for a ragged leaf
     json: list[list]  # B values per JSON leaf
 
 
@@ -95,7 +96,8 @@ class _Group:
         self.chunks: list[list[torch.Tensor]] = []
         self.leaf_bytes = [math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in layout.leaves]
         self.frame_nbytes = sum(self.leaf_bytes)
-        self.small = _SMALL // self.frame_nbytes if self.frame_nbytes else 0  # rows of a batch copied in
+        # rows of a batch copied into the open block (layouts with a ragged leaf are kept as given)
+        self.small = _SMALL // self.frame_nbytes if self.frame_nbytes and not layout.ragged else 0
         self.block_idx = torch.empty(0, dtype=torch.int64)
         self.block: list[torch.Tensor] = []
         self.idx_addr = 0
@@ -164,7 +166,14 @@ class FrameStore:
     def __len__(self) -> int:
         return self.num_frames
 
-    def add(self, filenames: str | Sequence[str], frame_idx: torch.Tensor | Sequence[int], frames: Any) -> None:
+    def add(
+        self,
+        filenames: str | Sequence[str],
+        frame_idx: torch.Tensor | Sequence[int],
+        frames: Any,
+        *,
+        ragged: bool | str | Iterable[str] = (),
+    ) -> None:
         """Add a batch of B frames (B may be 0).
 
         Args:
@@ -172,10 +181,18 @@ class FrameStore:
                 name for all B frames.
             frame_idx: B integers: an integer tensor or array, or a list of ints, numpy integers
                 or one-element integer tensors. Floats and bools are refused, never truncated.
-            frames: ``Tensor[B, ...]``, or a dict / TensorDict / tensorclass with batch dim B.
+            frames: ``Tensor[B, ...]``, or a dict / TensorDict / tensorclass with batch dim B, or
+                a list of B frames (tensors, dicts, ...). A leaf may be ragged (its first dim
+                differs per frame): a jagged nested tensor ``[B, j, ...]``, or in a list of
+                frames a tensor whose first dim differs between them.
+            ragged: leaves that are ragged even when every frame of this batch happens to have
+                the same first dim (a batch of one, say): dotted keys (``"boxes"``,
+                ``"det.boxes"``), or True for every tensor leaf of a list or plain tensor.
         """
         n = frame_idx.shape[0] if _is_plain_index(frame_idx) else 0
         g = None
+        if ragged:
+            return self._add_any(filenames, frame_idx, frames, _ragged_spec(ragged))
         if n and type(frames) is torch.Tensor and frames.is_cpu and not frames.is_nested:
             g = self._plain.get((frames.dtype, frames.shape)) if frames.layout is torch.strided else None
         names = filenames if type(filenames) is list else [filenames] * n if isinstance(filenames, str) else ()
@@ -187,12 +204,12 @@ class FrameStore:
         if self.copy and n <= g.small and frames.is_contiguous() and not (frames.is_conj() or frames.is_neg()):
             g.copy_in(frame_idx, (frames,), n)
         else:
-            g.keep(frame_idx.clone(), [self._keep(frames.detach(), self.copy)])
+            g.keep(frame_idx.clone(), [self._keep(frames, self.copy)])
         self.num_frames += n
         self.nbytes += n * g.frame_nbytes
         return None
 
-    def _add_any(self, filenames: Any, frame_idx: Any, frames: Any) -> None:
+    def _add_any(self, filenames: Any, frame_idx: Any, frames: Any, ragged: RaggedSpec = frozenset()) -> None:
         """Any batch, checked in full."""
         idx = _as_index(frame_idx, "add() frame_idx")
         count = idx.numel()
@@ -202,12 +219,12 @@ class FrameStore:
                 f"add(): got {len(names)} filenames and {count} frame indices; expected one filename and one "
                 "frame_idx per frame (and frames with that batch dimension)"
             )
-        layout, tensors, json = flatten(frames, count, "add() frames")
+        layout, tensors, json = flatten(frames, count, "add() frames", ragged)
         if not count:
             return
         _check_filenames(names)
         group = self._group(layout)
-        if type(frames) is torch.Tensor:
+        if type(frames) is torch.Tensor and not layout.ragged:
             self._plain[(frames.dtype, frames.shape)] = group
         self._append(group, names, idx, tensors, json, self.copy)
 
@@ -273,14 +290,21 @@ class FrameStore:
         ):
             g.copy_in(idx, tensors, n)
         else:
-            g.keep(idx.clone(), [self._keep(t.detach(), copy) for t in tensors])
+            g.keep(idx.clone(), [self._keep(t, copy) for t in tensors])
         for values, new in zip(g.json, json, strict=True):
             values += new
         self.num_frames += n
-        self.nbytes += n * g.frame_nbytes
+        self.nbytes += n * g.frame_nbytes + sum(t.nbytes for t in tensors if isinstance(t, Ragged))
 
-    def _keep(self, t: torch.Tensor, copy: bool) -> torch.Tensor:
-        """What the store holds of ``t`` (see the module docstring): a CPU tensor of its own bytes."""
+    def _keep(self, t: Any, copy: bool) -> Any:
+        """What the store holds of ``t`` (see the module docstring): a CPU tensor of its own bytes.
+
+        Of a ragged leaf, its frames' rows (and their lengths), nothing before or after them.
+        """
+        if isinstance(t, Ragged):
+            values, lengths = t.span()
+            return Ragged.from_lengths(self._keep(values, copy), lengths.cpu())
+        t = t.detach()
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()  # a new tensor already: no further copy needed
             copy = False
@@ -351,7 +375,14 @@ class FrameStore:
                 g.ids = [torch.cat(g.ids)]
             idx = torch.cat(g.idx) if len(g.idx) > 1 else g.idx[0]
             json = [values[:] for values in g.json]
-            parts.append(Part(rank, g.layout, self._names, g.ids[0], idx, json, g.chunks[:]))
+            chunks, lengths = g.chunks[:], []
+            if g.layout.ragged:  # a ragged leaf's chunks are its values; its lengths go beside them
+                lengths = [
+                    torch.cat([c[j].lengths for c in chunks]) if leaf.ragged else None
+                    for j, leaf in enumerate(g.layout.leaves)
+                ]
+                chunks = [[t.values if isinstance(t, Ragged) else t for t in c] for c in chunks]
+            parts.append(Part(rank, g.layout, self._names, g.ids[0], idx, json, chunks, lengths))
         return parts
 
     def groups(self) -> list[tuple[Layout, list[_Chunk]]]:
@@ -363,7 +394,7 @@ class FrameStore:
             ends = itertools.accumulate(sizes)
             chunks = [
                 _Chunk(ids[c], g.idx[c], tensors, [values[end - n : end] for values in part.json])
-                for c, (tensors, n, end) in enumerate(zip(part.chunks, sizes, ends, strict=True))
+                for c, (tensors, n, end) in enumerate(zip(g.chunks, sizes, ends, strict=True))
             ]
             out.append((part.layout, chunks))
         return out
@@ -482,7 +513,18 @@ def _mismatch(name: str, first: Layout, second: Layout) -> ShapeMismatchError:
     return ShapeMismatchError(
         f"filename {name!r}: frames on rank {rank} have {first.describe()} and {second.describe()} "
         f"(ranks [{rank}]); every frame of a filename must have the same structure, shape and dtype"
+        f"{ragged_hint(first, second)}"
     )
+
+
+def _ragged_spec(ragged: bool | str | Iterable[str]) -> RaggedSpec:
+    """``add(ragged=...)`` as `flatten` takes it: True, or the dotted keys."""
+    if ragged is True:
+        return True
+    names = (ragged,) if isinstance(ragged, str) else tuple(ragged)
+    if not all(isinstance(x, str) for x in names):
+        raise TypeError(f"add(): expected ragged=True or dotted keys (str), got {ragged!r:.80}")
+    return frozenset(names)
 
 
 def _check_filename(name: Any) -> None:

@@ -163,9 +163,9 @@ class _Side:
         if self.failure is not None:
             raise self.failure
 
-    def add(self, filenames: Any, frame_idx: Any, frames: Any) -> None:
+    def add(self, filenames: Any, frame_idx: Any, frames: Any, ragged: Any = ()) -> None:
         self.check()
-        self.store.add(filenames, frame_idx, frames)
+        self.store.add(filenames, frame_idx, frames, ragged=ragged)
         self._maybe_flush()
 
     def update(self, predictions: Mapping[str, Any]) -> None:

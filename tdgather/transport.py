@@ -159,7 +159,7 @@ class Message:
 
     def __init__(self, prelude: Prelude, header: Any, payload: torch.Tensor | None, index: list | None = None) -> None:
         self.prelude, self.header, self.payload = prelude, header, payload
-        self.index = index or []  # a data message's per-group (file_ids, frame_idx)
+        self.index = index or []  # a data message's per-group (file_ids, frame_idx, lengths)
 
     @property
     def kind(self) -> Kind:

@@ -10,10 +10,12 @@ A message is at most three tensors, in order on one peer's stream:
 Frames travel as a ``data`` message followed by its ``piece`` messages:
 
 - ``data``: the header names the filenames and, per layout group, its rows, JSON leaves and
-  how each tensor leaf is cut into pieces; the payload is the frame index (frame_idx, and
-  (file id, row count) runs), so rank dst can place every row before any frame arrives;
+  how each tensor leaf is cut into pieces; the payload is the frame index (frame_idx,
+  (file id, row count) runs, and each ragged leaf's rows per frame), so rank dst can place
+  every row before any frame arrives;
 - ``piece``: no header; the payload is the rows a piece holds of one leaf, in the sender's
   order (batches as the sender holds them, small ones joined), with the length announced.
+  A ragged leaf's pieces hold its values' rows (``N_i`` per frame); no padding is sent.
 
 Every size is known before anything is allocated, and `Prelude.decode` and `decode_header`
 check every field first. No pickle: non-tensor values travel as JSON.
@@ -27,7 +29,6 @@ groups is a heartbeat.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 from enum import IntEnum
@@ -61,7 +62,7 @@ __all__ = [
 
 MAGIC = int.from_bytes(b"tdgather", "big")
 HEARTBEAT = {"files": [], "groups": []}  # the header of an empty data message
-VERSION = 3
+VERSION = 4  # 4: ragged leaves (elems, lengths)
 PRELUDE_LEN = 10
 ALIGN = 64  # every index tensor starts at a multiple of this, so its views are aligned
 
@@ -167,6 +168,12 @@ class GroupSpec:
     runs: int  # (file id, row count) runs that give each row's filename
     json: tuple[list, ...]
     pieces: tuple[tuple[int, ...], ...]  # per tensor leaf: the rows of each piece message, in order
+    elems: tuple[int, ...] = ()  # per tensor leaf: its rows (``rows``; for a ragged leaf, sum N_i)
+
+    @property
+    def ragged(self) -> int:
+        """The number of ragged leaves (each sends its frames' row counts in the index)."""
+        return sum(leaf.ragged for leaf in self.layout.leaves)
 
 
 @dataclass(frozen=True)
@@ -184,7 +191,7 @@ class DataHeader:
     @property
     def index_nbytes(self) -> int:
         """The length of the message's payload: every group's frame index."""
-        return index_offsets([(g.rows, g.index_dtype.itemsize, g.runs) for g in self.groups])[-1]
+        return index_offsets([(g.rows, g.index_dtype.itemsize, g.runs, g.ragged) for g in self.groups])[-1]
 
     def pieces(self) -> list[tuple[int, int, int, int]]:
         """The piece messages that follow, in order: ``(group, leaf, first row, rows)``."""
@@ -198,18 +205,22 @@ class DataHeader:
         return out
 
 
-def index_offsets(sizes: list[tuple[int, int, int]]) -> list[int]:
-    """Where each group's frame_idx and runs start in a data payload, and (last) its length.
+def index_offsets(sizes: list[tuple[int, int, int, int]]) -> list[int]:
+    """Where each group's frame_idx, runs and lengths start in a data payload, and (last) its length.
 
-    ``sizes`` holds per group ``(rows, index itemsize, runs)``. Per group: ``frame_idx [rows]``
-    (its index dtype), then ``runs int64 [runs, 2]`` (file id, row count), each at a multiple of `ALIGN`.
+    ``sizes`` holds per group ``(rows, index itemsize, runs, ragged leaves)``. Per group:
+    ``frame_idx [rows]`` (its index dtype), ``runs int64 [runs, 2]`` (file id, row count), then
+    per ragged leaf ``lengths int64 [rows]``, each at a multiple of `ALIGN`. Returns three
+    offsets per group (frame_idx, runs, the first lengths), then the total.
     """
     out, offset = [], 0
-    for rows, itemsize, runs in sizes:
+    for rows, itemsize, runs, ragged in sizes:
         out.append(offset)
         offset = _aligned(offset + rows * itemsize)
         out.append(offset)
         offset = _aligned(offset + runs * 16)
+        out.append(offset)
+        offset += ragged * _aligned(rows * 8)
     return [*out, offset]
 
 
@@ -326,7 +337,7 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
     groups = []
     for i, g in enumerate(c.list(obj["groups"], "header.groups")):
         f = f"header.groups[{i}]"
-        c.obj(g, f, {"layout", "rows", "index", "runs", "json", "pieces"})
+        c.obj(g, f, {"layout", "rows", "index", "runs", "json", "pieces", "elems"})
         layout = _decode_layout(g["layout"], c, f"{f}.layout")
         rows = c.int(g["rows"], f"{f}.rows")
         if rows == 0:
@@ -339,34 +350,42 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
         values = c.list(g["json"], f"{f}.json", len(layout.nontensor))
         for j, v in enumerate(values):
             c.list(v, f"{f}.json[{j}]", rows)
+        elems = tuple(c.int(n, f"{f}.elems[]") for n in c.list(g["elems"], f"{f}.elems", len(layout.leaves)))
         pieces = []
         for j, (counts, leaf) in enumerate(
             zip(c.list(g["pieces"], f"{f}.pieces", len(layout.leaves)), layout.leaves, strict=True)
         ):
             field = f"{f}.pieces[{j}]"
-            row_bytes = math.prod(leaf.shape) * leaf.dtype.itemsize
+            if not leaf.ragged and elems[j] != rows:
+                raise c.fail(f"{f}.elems[{j}]", f"{rows} (the rows of a leaf that is not ragged)", elems[j])
+            row_bytes = leaf.row_nbytes
             counts = tuple(c.int(n, f"{field}[]") for n in c.list(counts, field))
-            wanted = rows if row_bytes else 0
+            wanted = elems[j] if row_bytes else 0
             if 0 in counts or sum(counts) != wanted:
                 raise c.fail(field, f"piece row counts >= 1 that sum to {wanted}", list(counts)[:8])
             if counts and max(counts) * row_bytes > limits.max_payload_bytes:
                 raise c.fail(field, f"pieces of at most {limits.max_payload_bytes} bytes", max(counts) * row_bytes)
             pieces.append(counts)
         dtype = torch.int32 if g["index"] == "int32" else torch.int64
-        groups.append(GroupSpec(layout, rows, dtype, runs, tuple(values), tuple(pieces)))
+        groups.append(GroupSpec(layout, rows, dtype, runs, tuple(values), tuple(pieces), elems))
     header = DataHeader(files, tuple(groups))
     if payload_len != header.index_nbytes:  # nothing unannounced is allocated (a heartbeat announces 0 bytes)
         raise c.fail("prelude.payload_len", f"{header.index_nbytes} (the frame index the groups announce)", payload_len)
     return header
 
 
-def decode_index(header: DataHeader, payload: torch.Tensor | None, src: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each group's ``(file_ids, frame_idx)`` (int64 ``[rows]`` each), checked: runs inside ``files``."""
+def decode_index(header: DataHeader, payload: torch.Tensor | None, src: int) -> list[tuple]:
+    """Each group's ``(file_ids, frame_idx, lengths)``, checked: runs inside ``files``, lengths that sum right.
+
+    ``file_ids`` and ``frame_idx`` are int64 ``[rows]``; ``lengths`` (as `tdgather.plan.Part` holds
+    it) is empty when no leaf is ragged, else has per tensor leaf its frames' row counts (int64
+    ``[rows]``, each >= 0, summing to the leaf's ``elems``), or None for a leaf that is not ragged.
+    """
     c = _Check(src)
-    offsets = index_offsets([(g.rows, g.index_dtype.itemsize, g.runs) for g in header.groups])
+    offsets = index_offsets([(g.rows, g.index_dtype.itemsize, g.runs, g.ragged) for g in header.groups])
     out = []
     for i, g in enumerate(header.groups):
-        at, runs_at = offsets[2 * i], offsets[2 * i + 1]
+        at, runs_at, lengths_at = offsets[3 * i], offsets[3 * i + 1], offsets[3 * i + 2]
         frame_idx = payload[at : at + g.rows * g.index_dtype.itemsize].view(g.index_dtype).to(torch.int64)
         runs = payload[runs_at : runs_at + g.runs * 16].view(torch.int64).view(g.runs, 2)
         ids, lengths = runs[:, 0], runs[:, 1]
@@ -374,7 +393,19 @@ def decode_index(header: DataHeader, payload: torch.Tensor | None, src: int) -> 
             raise c.fail(f"header.groups[{i}].runs[]", f"file ids in 0..{len(header.files) - 1}", ids.tolist()[:8])
         if bool((lengths < 1).any()) or int(lengths.sum()) != g.rows:
             raise c.fail(f"header.groups[{i}].runs[]", f"row counts >= 1 that sum to {g.rows}", lengths.tolist()[:8])
-        out.append((torch.repeat_interleave(ids, lengths), frame_idx))
+        leaf_lengths: list[torch.Tensor | None] = []
+        for j, leaf in enumerate(g.layout.leaves):
+            if not leaf.ragged:
+                leaf_lengths.append(None)
+                continue
+            n = payload[lengths_at : lengths_at + g.rows * 8].view(torch.int64)
+            lengths_at += _aligned(g.rows * 8)
+            total = torch.cumsum(n, 0)  # each length <= elems <= 2**62: an overflow shows as a negative total
+            if bool((n < 0).any() | (n > g.elems[j]).any() | (total < 0).any()) or int(total[-1]) != g.elems[j]:
+                field = f"header.groups[{i}] lengths of leaf {j}"
+                raise c.fail(field, f"row counts >= 0 that sum to {g.elems[j]} (elems[{j}])", n.tolist()[:8])
+            leaf_lengths.append(n)
+        out.append((torch.repeat_interleave(ids, lengths), frame_idx, leaf_lengths if g.ragged else []))
     return out
 
 
@@ -386,7 +417,10 @@ def _decode_layout(obj: Any, c: _Check, field: str) -> Layout:
         c.str(obj["cls"], f"{field}.cls")
     for i, x in enumerate(c.list(obj["leaves"], f"{field}.leaves")):
         f = f"{field}.leaves[{i}]"
-        c.obj(x, f, {"path", "dtype", "shape"})
+        ragged = isinstance(x, dict) and "ragged" in x
+        c.obj(x, f, {"path", "dtype", "shape", "ragged"} if ragged else {"path", "dtype", "shape"})
+        if ragged and x["ragged"] is not True:
+            raise c.fail(f"{f}.ragged", "true (or no such key)", x["ragged"])
         [c.str(k, f"{f}.path") for k in c.list(x["path"], f"{f}.path")]
         c.dtype(x["dtype"], f"{f}.dtype"), c.shape(x["shape"], f"{f}.shape")
     for p in c.list(obj["json"], f"{field}.json"):

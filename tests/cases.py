@@ -479,12 +479,15 @@ def wire_roundtrip(store: tdgather.FrameStore, rank: int = 0):
     parsed = decode_json(encode_json(packed.header), rank, Limits())
     header = decode_header(parsed, Kind.DATA, rank, 0 if packed.index is None else packed.index.numel())
     index = decode_index(header, packed.index, rank)
-    columns = [[torch.empty((g.rows, *x.shape), dtype=x.dtype) for x in g.layout.leaves] for g in header.groups]
+    columns = [
+        [torch.empty((n, *x.shape), dtype=x.dtype) for n, x in zip(g.elems, g.layout.leaves, strict=True)]
+        for g in header.groups
+    ]
     for (g, j, first, rows), piece in zip(header.pieces(), packed.pieces, strict=True):
         as_bytes(columns[g][j][first : first + rows]).copy_(torch.cat(piece))
     parts = [
-        Part(rank, g.layout, list(header.files), ids, idx, list(g.json), [columns[k]])
-        for k, (g, (ids, idx)) in enumerate(zip(header.groups, index, strict=True))
+        Part(rank, g.layout, list(header.files), ids, idx, list(g.json), [columns[k]], lengths)
+        for k, (g, (ids, idx, lengths)) in enumerate(zip(header.groups, index, strict=True))
     ]
     return parts, packed
 

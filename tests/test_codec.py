@@ -116,7 +116,7 @@ def test_store_rejects_bad_input_with_clear_messages():
         UnsupportedValueError, match=r"filename 'x': expected a dense tensor.*got dtype torch.complex128"
     ):
         store.update({"x": (0, torch.zeros(2, dtype=torch.complex128))})
-    with pytest.raises(UnsupportedValueError, match="got layout torch.jagged"):
+    with pytest.raises(UnsupportedValueError, match="got a nested tensor for one frame"):
         store.update({"x": (0, torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=torch.jagged))})
     with pytest.raises(UnsupportedValueError, match="sparse"):
         store.update({"x": (0, torch.zeros(2, 2).to_sparse())})
@@ -363,8 +363,8 @@ def test_header_schema_checks_rows_pieces_runs_and_sizes():
 def test_frame_index_runs_are_checked_before_use():
     header, index = _valid_header()
     parsed = decode_header(header, Kind.DATA, 1, index.numel())
-    ids, idx = decode_index(parsed, index, 1)[0]
-    assert ids.tolist() == [0, 0, 1] and idx.tolist() == [0, 1, 0]
+    ids, idx, lengths = decode_index(parsed, index, 1)[0]
+    assert ids.tolist() == [0, 0, 1] and idx.tolist() == [0, 1, 0] and lengths == []
     runs_at = 64  # after the int32 frame_idx of 3 rows, aligned
     for field, wrong, match in [
         (0, 2, r"file ids in 0..1"),

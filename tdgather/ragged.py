@@ -1,0 +1,172 @@
+"""Ragged leaves: a leaf whose first dimension changes from frame to frame (boxes ``[N_i, 4]``).
+
+Everywhere in tdgather (the store, the wire, rank dst's buffers, the shards) a ragged leaf of
+T frames is two plain tensors and no padding:
+
+- ``values``: every frame's rows back to back, ``[sum N_i, *shape]``;
+- ``offsets``: int64 ``[T + 1]``, frame ``i`` is ``values[offsets[i] : offsets[i + 1]]``.
+
+That is exactly what a jagged nested tensor (``torch.nested``, ``layout=torch.jagged``) holds,
+so users give and get those (`Ragged.to_nested` is a view), and `padded` pads one on request.
+`Ragged` is the internal column: row slices are views, `index_select` gathers whole frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .rows import scatter_rows
+
+__all__ = ["Ragged", "element_index", "offsets_of", "padded", "values_of"]
+
+
+class Ragged:
+    """T frames of one ragged leaf: ``values`` and ``offsets`` (which need not start at 0: a row slice).
+
+    >>> r = Ragged.from_list([torch.ones(2, 4), torch.zeros(0, 4), torch.ones(1, 4)])
+    >>> len(r), r.lengths.tolist(), r[1:].lengths.tolist()
+    (3, [2, 0, 1], [0, 1])
+    """
+
+    __slots__ = ("offsets", "values")
+
+    def __init__(self, values: torch.Tensor, offsets: torch.Tensor) -> None:
+        self.values, self.offsets = values, offsets
+
+    @staticmethod
+    def from_lengths(values: torch.Tensor, lengths: torch.Tensor) -> Ragged:
+        """Frames of ``lengths[i]`` rows each, back to back in ``values``."""
+        return Ragged(values, offsets_of(lengths))
+
+    @staticmethod
+    def from_list(tensors: Sequence[torch.Tensor]) -> Ragged:
+        """One frame per tensor (``[N_i, *shape]``, the same ``shape`` and dtype): their rows joined once."""
+        lengths = torch.tensor([t.shape[0] for t in tensors], dtype=torch.int64)
+        return Ragged.from_lengths(torch.cat([t.detach() for t in tensors]), lengths)
+
+    @staticmethod
+    def from_nested(nt: torch.Tensor, where: str) -> Ragged:
+        """A nested tensor ``[B, j, *shape]`` (jagged, or strided), without a copy where it is jagged and packed."""
+        if nt.layout != torch.jagged:
+            return Ragged.from_list(list(nt.unbind()))
+        if getattr(nt, "_ragged_idx", 1) != 1:
+            raise ValueError(
+                f"{where}: expected a nested tensor ragged in dim 1 (each frame's first dim), got one ragged in "
+                f"dim {nt._ragged_idx}; transpose it so that the varying dim comes first in each frame"
+            )
+        if getattr(nt, "_lengths", None) is not None:  # a view with holes: pack it
+            nt = nt.contiguous()
+        offsets = nt.offsets().to("cpu", torch.int64)
+        return Ragged(nt.values(), offsets)
+
+    @staticmethod
+    def cat(items: Sequence[Ragged]) -> Ragged:
+        """The frames of ``items``, one after the other, in one new column."""
+        spans = [r.span() for r in items]
+        return Ragged.from_lengths(torch.cat([s for s, _ in spans]), torch.cat([r.lengths for r in items]))
+
+    def __len__(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The values' dtype."""
+        return self.values.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        """``[frames, *shape of one row]`` (what a tensor leaf's ``shape`` gives per batch)."""
+        return torch.Size((len(self), *self.values.shape[1:]))
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """int64 ``[T]``: the rows of each frame."""
+        return self.offsets.diff()
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of all the frames together (``sum N_i``)."""
+        return int(self.offsets[-1] - self.offsets[0]) if len(self) else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the frames' rows."""
+        return self.num_rows * self.values[:1].numel() * self.values.element_size() if self.values.numel() else 0
+
+    def __getitem__(self, s: slice) -> Ragged:
+        lo, hi, step = s.indices(len(self))
+        if step != 1:
+            raise ValueError("Ragged slices take a step of 1")
+        return Ragged(self.values, self.offsets[lo : max(lo, hi) + 1])
+
+    def span(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(values, lengths)`` of exactly these frames: a view of their rows, nothing before or after."""
+        if not len(self):
+            return self.values[:0], self.lengths
+        lo, hi = int(self.offsets[0]), int(self.offsets[-1])
+        return self.values[lo:hi], self.lengths
+
+    def index_select(self, dim: int, rows: torch.Tensor) -> Ragged:
+        """Frames ``rows`` (of this slice), copied into a new column."""
+        if dim != 0:
+            raise ValueError("Ragged frames are selected along dim 0")
+        lengths = self.lengths[rows]
+        values = self.values.index_select(0, element_index(self.offsets[:-1][rows], lengths))
+        return Ragged.from_lengths(values, lengths)
+
+    def to_nested(self) -> torch.Tensor:
+        """These frames as a jagged nested tensor ``[T, j, *shape]`` (a view of the values)."""
+        values, lengths = self.span()
+        return torch.nested.nested_tensor_from_jagged(values, offsets_of(lengths))
+
+
+def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
+    """int64 ``[T + 1]``: 0, then the running total of ``lengths``."""
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets
+
+
+def values_of(column: Any) -> torch.Tensor:
+    """The tensor a column's rows live in: the tensor itself, or a `Ragged`'s values."""
+    return column.values if isinstance(column, Ragged) else column
+
+
+def element_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The rows ``starts[i] .. starts[i] + lengths[i] - 1`` of every frame ``i``, back to back (int64).
+
+    >>> element_index(torch.tensor([5, 0, 9]), torch.tensor([2, 0, 3])).tolist()
+    [5, 6, 9, 10, 11]
+    """
+    total = int(lengths.sum()) if lengths.numel() else 0
+    if not total:
+        return torch.empty(0, dtype=torch.int64)
+    before = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - before, lengths, output_size=total) + torch.arange(total)
+
+
+def padded(x: Any, value: float | bool = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ragged leaf as ``(padded [T, max N_i, *shape], lengths int64 [T])``, for every dtype tdgather stores.
+
+    ``x`` is a jagged nested tensor (what tdgather returns for a ragged leaf) or a `Ragged`.
+    torch's ``to_padded_tensor`` does the same for the dtypes it implements; this one also pads
+    uint64 and the float8 kinds, and returns the lengths.
+
+    >>> nt = torch.nested.nested_tensor_from_jagged(torch.arange(3.0), torch.tensor([0, 2, 2, 3]))
+    >>> p, n = padded(nt, value=-1)
+    >>> p.tolist(), n.tolist()
+    ([[0.0, 1.0], [-1.0, -1.0], [2.0, -1.0]], [2, 0, 1])
+    """
+    r = x if isinstance(x, Ragged) else Ragged.from_nested(x, "padded()")
+    values, lengths = r.span()
+    t = lengths.numel()
+    width = int(lengths.max()) if t else 0
+    out = torch.full((t, width, *values.shape[1:]), value, dtype=values.dtype, device=values.device)
+    flat = out.view(t * width, *values.shape[1:])
+    starts = torch.arange(t, dtype=torch.int64) * width
+    if values.shape[0]:
+        scatter_rows(flat, element_index(starts, lengths).to(values.device), values)
+    return out, lengths
