@@ -150,7 +150,7 @@ def ragged_hint(a: Layout, b: Layout) -> str:
     "" when something else differs too (a dtype, a later dim, the structure).
 
     >>> fixed = Layout("tree", None, (Leaf(("boxes",), torch.float32, (3, 4)),))
-    >>> ragged_hint(fixed, Layout("tree", None, (Leaf(("boxes",), torch.float32, (5, 4)),)))[-53:]
+    >>> ragged_hint(fixed, Layout("tree", None, (Leaf(("boxes",), torch.float32, (5, 4)),)))[-52:]
     "add(..., ragged=['boxes']) or a jagged nested tensor"
     """
 
