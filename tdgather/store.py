@@ -95,7 +95,7 @@ class _Group:
         self.idx: list[torch.Tensor] = []
         self.chunks: list[list[torch.Tensor]] = []
         self.leaf_bytes = [math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in layout.leaves]
-        self.frame_nbytes = sum(self.leaf_bytes)
+        self.frame_nbytes = layout.frame_nbytes  # ragged leaves not counted: their values are, per batch
         # rows of a batch copied into the open block (layouts with a ragged leaf are kept as given)
         self.small = _SMALL // self.frame_nbytes if self.frame_nbytes and not layout.ragged else 0
         self.block_idx = torch.empty(0, dtype=torch.int64)

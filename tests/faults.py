@@ -14,6 +14,7 @@ import signal
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,10 +32,26 @@ BATCHES = {0: 3, 1: 10, 2: 6}  # per rank, in the three-rank worlds
 LONG_STEP = 8.0  # seconds
 
 
-def batch(rank: int, b: int) -> tuple[list[str], list[int], torch.Tensor]:
-    """Batch ``b`` of ``rank``: one filename, B frames."""
+def batch(rank: int, b: int, ragged: bool = False) -> tuple[list[str], list[int], Any]:
+    """Batch ``b`` of ``rank``: one filename, B frames; ``ragged``: beside them 0-4 boxes per frame."""
     name = f"r{rank}_b{b:03d}.mp4"
-    return [name] * B, list(range(B)), torch.stack([value(name, i, SHAPE) for i in range(B)])
+    frames = torch.stack([value(name, i, SHAPE) for i in range(B)])
+    if not ragged:
+        return [name] * B, list(range(B)), frames
+    boxes = [value(name, 100 + i, (4 * ((i + b + rank) % 5),)).view(-1, 4) for i in range(B)]
+    return [name] * B, list(range(B)), {"x": frames, "boxes": torch.nested.as_nested_tensor(boxes, layout=torch.jagged)}
+
+
+def same_frames(got: Any, want: Any) -> bool:
+    """Bit-exact equality of a batch's frames: a tensor, or ``{"x": tensor, "boxes": nested tensor}``."""
+    if isinstance(want, torch.Tensor):
+        return torch.equal(got, want)
+    boxes, want_boxes = got["boxes"], want["boxes"]
+    return (
+        torch.equal(got["x"], want["x"])
+        and torch.equal(boxes.offsets(), want_boxes.offsets())
+        and torch.equal(boxes.values(), want_boxes.values())
+    )
 
 
 def as_dict(rank: int, batches: int) -> dict:
@@ -90,7 +107,7 @@ def _kill_between_header_and_payload(on_message: int, tmp: str) -> None:
 # ---- rows 1-3: a rank fails in the middle of a Collector stream --------------------------------
 
 
-def case_stream_fault(out: str, how: str, k: int, tmp: str, timeout: float) -> dict | None:
+def case_stream_fault(out: str, how: str, k: int, tmp: str, timeout: float, ragged: bool = False) -> dict | None:
     """Rank 1 fails (``how``: raise, kill, stop) after k batches reached rank 0; rank 2 sent all first.
 
     Rank 0 waits until it holds rank 1's k batches and every batch of rank 2, then lets rank 1 fail,
@@ -111,14 +128,14 @@ def case_stream_fault(out: str, how: str, k: int, tmp: str, timeout: float) -> d
                     if how == "stop":
                         _stamp(tmp, "fault")
                         os.kill(os.getpid(), signal.SIGSTOP)
-                col.add(*batch(rank, b))
+                col.add(*batch(rank, b, ragged))
             if rank == 0:
                 side = col._side
                 _wait_until(lambda: side.received[1] == k * B and side.received[2] == BATCHES[2] * B, "the frames")
                 go.touch()
             if rank == 2 and how == "raise":
                 time.sleep(LONG_STEP)  # a long inference step: rank 0 must not wait for its next add()
-                col.add(*batch(rank, BATCHES[rank]))
+                col.add(*batch(rank, BATCHES[rank], ragged))
     except Exception as e:
         seen = time.time()
         if rank == 0 and how == "stop":

@@ -154,3 +154,50 @@ def case_save_and_stream(out: str, files: int, per_file: int, max_boxes: int, bu
     check_result(job, saved)
     segments = max(len(e["segments"]) for e in streamed.index["files"].values())
     return {"segments": segments, "shards": len(streamed.index["shards"]), "dups": col.summary.duplicates_dropped}
+
+
+def _cut_batches(rank: int) -> dict[str, Ragged]:
+    """Rank ``rank``'s 4 batches of 64 frames of 0-599 boxes (the first 3 of each none), by filename."""
+    g = torch.Generator().manual_seed(rank)
+    out = {}
+    for b in range(4):
+        lengths = torch.randint(0, 600, (64,), generator=g)
+        lengths[:3] = 0
+        out[f"r{rank}_b{b}.mp4"] = Ragged.from_lengths(torch.rand(int(lengths.sum()), 4, generator=g), lengths)
+    return out
+
+
+def case_cut_mid_values(tmp: str) -> dict | None:
+    """Rank 1 dies after 3 pieces (its fixed leaf, then 2 of its 4 batches of boxes): rank 0 keeps what landed whole."""
+    import os
+    import signal
+    import time
+
+    from tdgather.wire import MAGIC, PRELUDE_LEN, Kind
+
+    rank = dist.get_rank()
+    store = tdgather.FrameStore()
+    for b, (name, boxes) in enumerate(_cut_batches(rank).items()):
+        store.add([name] * 64, torch.arange(64), {"a": torch.full((64, 2), float(b)), "boxes": boxes.to_nested()})
+    if rank == 1:
+        real, seen = dist.isend, {"pieces": 0}
+
+        def isend(t, group=None, group_dst=None):
+            if t.dtype == torch.int64 and t.numel() == PRELUDE_LEN and int(t[0]) == MAGIC and int(t[2]) == Kind.PIECE:
+                seen["pieces"] += 1
+                if seen["pieces"] == 4:
+                    time.sleep(1.0)  # the three pieces before reach rank 0
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return real(t, group=group, group_dst=group_dst)
+
+        dist.isend = isend
+    try:
+        tdgather.gather(store, timeout=20)
+    except tdgather.TdgatherError as e:
+        if rank != 0:
+            return None
+        got, sent = e.received, {**_cut_batches(0), **_cut_batches(1)}
+        for name, f in got.items():
+            same_bits(f.frames["boxes"], sent[name].index_select(0, f.frame_idx), name)
+        return {"type": type(e).__name__, "frames": {name: len(got[name]) for name in got}}
+    return {"type": None}

@@ -62,7 +62,7 @@ def assert_shards_complete(directory):
     assert not [p.name for p in directory.iterdir() if ".tmp-" in p.name]
 
 
-def assert_saved_exactly(out, k):
+def assert_saved_exactly(out, k, ragged=False):
     """What a failed Collector run saved: rank 0's and rank 2's frames in full, rank 1's first k batches."""
     assert not out.exists()
     with pytest.raises(tdgather.OutputError, match="incomplete=True"):
@@ -71,10 +71,11 @@ def assert_saved_exactly(out, k):
     assert not (partial / INDEX_NAME).exists()
     assert_shards_complete(partial)
     ds = tdgather.open(out, incomplete=True)
-    expected = {**faults.as_dict(0, 3), **faults.as_dict(1, k), **faults.as_dict(2, 6)}
-    assert sorted(ds) == sorted(expected)
-    for name, pairs in expected.items():
-        assert torch.equal(ds[name].frames, torch.stack([v for _, v in pairs])), name
+    expected = [faults.batch(r, b, ragged) for r, n in ((0, 3), (1, k), (2, 6)) for b in range(n)]
+    assert sorted(ds) == sorted(names[0] for names, _, _ in expected)
+    for names, idx, frames in expected:
+        got = ds[names[0]]
+        assert got.frame_idx.tolist() == idx and faults.same_frames(got.frames, frames), names[0]
     return ds.metadata
 
 
@@ -84,15 +85,16 @@ def time_to_error(tmp_path, result):
     return seconds
 
 
-def test_row1_a_rank_raises_after_k_batches(tmp_path):
+@pytest.mark.parametrize("ragged", [False, True], ids=["fixed", "ragged"])
+def test_row1_a_rank_raises_after_k_batches(tmp_path, ragged):
     out = tmp_path / "ds"
-    r = world(faults.case_stream_fault, str(out), "raise", 4, str(tmp_path), 30)
+    r = world(faults.case_stream_fault, str(out), "raise", 4, str(tmp_path), 30, ragged)
     assert r[1]["type"] == "RuntimeError" and r[1]["message"] == "boom after 4 batches"
     assert r[0]["type"] == "PeerError" and r[0]["rank"] == 1
     assert "rank 1 failed with RuntimeError: boom after 4 batches" in r[0]["message"]
     assert r[2]["type"] == "PeerError" and r[2]["rank"] == 0  # told at once, not left waiting
     assert time_to_error(tmp_path, r[0]) < SLACK
-    meta = assert_saved_exactly(out, 4)
+    meta = assert_saved_exactly(out, 4, ragged)
     assert meta["failure"]["rank"] == 1 and meta["failure"]["type"] == "PeerError"
     assert meta["frames_per_rank"] == {"0": 24, "1": 32, "2": 48}
 
@@ -117,15 +119,16 @@ def test_row2_killed_before_sending(tmp_path):
     assert seconds < SLACK
 
 
-def test_row2_killed_between_header_and_payload(tmp_path):
+@pytest.mark.parametrize("ragged", [False, True], ids=["fixed", "ragged"])
+def test_row2_killed_between_header_and_payload(tmp_path, ragged):
     out = tmp_path / "ds"
-    r = world(faults.case_stream_fault, str(out), "kill", 4, str(tmp_path), 30)
+    r = world(faults.case_stream_fault, str(out), "kill", 4, str(tmp_path), 30, ragged)
     assert r[1] is None
     assert r[0]["type"] == "PeerLostError" and r[0]["rank"] == 1
     assert re.search(r"during the payload of message \d+", r[0]["message"]), r[0]["message"]  # not the header
     assert r[2]["type"] == "PeerError" and r[2]["rank"] == 0, r[2]
     assert time_to_error(tmp_path, r[0]) < SLACK
-    meta = assert_saved_exactly(out, 4)
+    meta = assert_saved_exactly(out, 4, ragged)
     assert meta["failure"]["type"] == "PeerLostError" and meta["failure"]["rank"] == 1
 
 

@@ -1,0 +1,300 @@
+"""Ragged leaves (a first dim that changes per frame): detections split over real gloo ranks, and locally."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import tdgather
+from tdgather import DatasetError, DuplicateFrameError, ProtocolError, ShapeMismatchError
+from tdgather._dtypes import DTYPES
+from tdgather.launch import WorldError, run_local_world
+from tdgather.pack import pack
+from tdgather.ragged import Ragged, padded
+from tdgather.wire import Kind, Limits, decode_header, decode_index, decode_json, encode_json, index_offsets
+
+from . import ragged_cases as rc
+from .test_reader import rewrite_shard
+
+DETECTIONS = ["boxes", "scores", "labels"]
+
+
+# ---- in real gloo worlds -----------------------------------------------------------------------
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("form", ["nested", "list", "lazy"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_ragged_leaves_split_over_ranks_with_padding_duplicates(world, form):
+    # 7 files x 10 frames, 0-6 boxes each (empty frames included), batches of 4, sampler padding
+    out = run_local_world(rc.case_gather, world, 7, 10, 6, 4, form, timeout=120)
+    pad = -70 % world
+    assert out[0]["frames"] == 70
+    assert out[0]["dups"]["exact"] + out[0]["dups"]["inexact"] == pad
+    assert out[0]["dups"]["max_abs_diff"] < 1e-6  # the embedding's last bit
+
+
+@pytest.mark.world
+def test_a_padded_copy_with_a_box_less_is_kept_once_and_counted_inexact():
+    out = run_local_world(rc.case_gather, 3, 7, 10, 6, 4, "nested", True, timeout=120)[0]
+    assert out["dups"]["inexact"] == 2 and out["dups"]["max_abs_diff"] == "inf"  # no numeric difference exists
+
+
+@pytest.mark.world
+def test_100k_frames_of_0_to_8_boxes():
+    out = run_local_world(rc.case_gather, 2, 1000, 100, 8, 256, "nested", timeout=300)[0]
+    assert out["frames"] == 100_000
+
+
+@pytest.mark.world
+def test_collector_and_save_write_the_same_ragged_dataset(tmp_path):
+    out = run_local_world(rc.case_save_and_stream, 4, str(tmp_path / "ds"), 12, 41, 8, 64 << 10, timeout=180)[0]
+    assert out["shards"] > 3 and out["segments"] > 1  # written while frames arrived, files over several shards
+    assert out["dups"] == -(12 * 41) % 4
+
+
+@pytest.mark.world
+def test_a_sender_lost_mid_values_keeps_every_frame_that_landed_whole(tmp_path):
+    try:
+        results = run_local_world(rc.case_cut_mid_values, 2, str(tmp_path), timeout=120)
+    except WorldError as e:
+        assert "exited with code" in e.failures[1]
+        results = e.results
+    got = results[0]
+    assert got["type"] == "PeerLostError"
+    assert all(got["frames"][f"r0_b{b}.mp4"] == 64 for b in range(4))
+    # rank 1 sent its fixed leaf, then batches of boxes, and died posting its 4th piece: the frames kept
+    # are the batches whose boxes all came (k of them, at most 2), then the 3 empty frames that start
+    # the next batch (their values are complete: there are none); all were checked bit for bit
+    ones = sorted((name, n) for name, n in got["frames"].items() if name.startswith("r1"))
+    k = sum(n == 64 for _, n in ones)
+    whole = [(f"r1_b{b}.mp4", 64) for b in range(k)]
+    assert k <= 2 and ones in (whole, [*whole, (f"r1_b{k}.mp4", 3)]), ones
+
+
+# ---- one process -------------------------------------------------------------------------------
+
+
+def _gather_boxes(lengths, dtype=torch.float32, shape=(4,)):
+    store = tdgather.FrameStore()
+    lengths = torch.tensor(lengths)
+    values = torch.arange(int(lengths.sum()) * max(1, torch.Size(shape).numel())).reshape(-1, *shape)
+    boxes = Ragged.from_lengths(values.to(dtype), lengths)
+    store.add("v.mp4", torch.arange(len(lengths)), {"boxes": boxes.to_nested()})
+    return boxes, tdgather.gather(store)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_every_dtype_round_trips_bit_exactly_through_save_and_open(tmp_path, dtype):
+    lengths = torch.tensor([2, 0, 3, 1])
+    bits = torch.randint(0, 256, (6 * 3 * dtype.itemsize,), dtype=torch.uint8)
+    if dtype == torch.bool:
+        bits = bits % 2
+    values = bits.view(dtype).view(6, 3)  # every bit pattern: NaN payloads, -0.0, inf
+    store = tdgather.FrameStore()
+    store.add(["a", "a", "b", "a"], [3, 1, 0, 2], Ragged.from_lengths(values, lengths).to_nested())
+    tdgather.save(tdgather.gather(store), tmp_path / "ds")
+    ds = tdgather.open(tmp_path / "ds")
+    a = ds["a"].frames  # frames 1, 2, 3 are rows 1, 3, 0 of the batch
+    assert ds.layout("a").describe() == f"{tdgather._dtypes.dtype_name(dtype)}[*, 3]"
+    assert a.offsets().tolist() == [0, 0, 1, 3]
+    want = torch.cat([values[5:6], values[0:2]])
+    assert torch.equal(a.values().view(torch.uint8), want.view(torch.uint8))
+    assert ds["b"].frames.offsets().tolist() == [0, 3]
+
+
+def test_frames_with_no_rows_and_files_with_no_values():
+    _, got = _gather_boxes([0, 0, 0])
+    boxes = got["v.mp4"].frames["boxes"]
+    assert boxes.offsets().tolist() == [0, 0, 0, 0] and boxes.values().shape == (0, 4)
+    assert boxes[1].shape == (0, 4)
+    p, n = padded(boxes)
+    assert p.shape == (3, 0, 4) and n.tolist() == [0, 0, 0]
+
+
+def test_a_frame_reads_back_exactly_as_sent_and_pads_on_request():
+    boxes, got = _gather_boxes([2, 0, 3])
+    f = got["v.mp4"]
+    assert torch.equal(f.frames["boxes"][2], boxes.values[2:5])
+    assert torch.equal(f[2].frames["boxes"], boxes.values[2:5])  # indexing the Frames gives one frame
+    p, n = padded(f.frames["boxes"], value=-1)
+    assert p.shape == (3, 3, 4) and n.tolist() == [2, 0, 3]
+    assert torch.equal(p[0, :2], boxes.values[:2]) and bool((p[1] == -1).all()) and bool((p[0, 2] == -1).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.uint64, torch.float8_e5m2, torch.bool])
+def test_padded_works_where_to_padded_tensor_does_not(dtype):
+    r = Ragged.from_lengths(torch.ones(3, 2).to(dtype), torch.tensor([1, 2]))
+    p, n = padded(r.to_nested(), value=0)
+    assert p.dtype == dtype and p.shape == (2, 2, 2) and n.tolist() == [1, 2]
+    assert p.to(torch.float32).sum() == 6
+
+
+def test_a_batch_of_one_keeps_a_declared_leaf_ragged():
+    store = tdgather.FrameStore()
+    store.add(["v"], [0], [{"boxes": torch.ones(3, 4), "feat": torch.ones(8)}], ragged=["boxes"])
+    store.add(["v"], [1], {"boxes": torch.ones(1, 5, 4), "feat": torch.ones(1, 8)}, ragged="boxes")
+    store.add(["v", "v"], [2, 3], [{"boxes": torch.ones(2, 4), "feat": torch.ones(8)}] * 2, ragged="boxes")
+    f = tdgather.gather(store)["v"]
+    assert f.frames["boxes"].offsets().tolist() == [0, 3, 8, 10, 12]
+    assert f.frames["feat"].shape == (4, 8)  # fixed leaves stay plain tensors
+
+
+def test_an_undeclared_leaf_whose_first_dim_changes_gets_the_fix_in_its_error():
+    store = tdgather.FrameStore()
+    store.add(["v"], [0], [{"boxes": torch.ones(3, 4)}])
+    store.add(["v"], [1], [{"boxes": torch.ones(2, 4)}])
+    with pytest.raises(ShapeMismatchError, match=r"float32\[3, 4\].*float32\[2, 4\].*ragged=\['boxes'\]"):
+        tdgather.gather(store)
+
+
+def test_leaves_that_differ_in_more_than_their_first_dim_are_refused():
+    store = tdgather.FrameStore()
+    with pytest.raises(ShapeMismatchError, match=r"frame 1 of the list has \{boxes: float32\[2, 5\]\}"):
+        store.add(["v", "v"], [0, 1], [{"boxes": torch.ones(3, 4)}, {"boxes": torch.ones(2, 5)}])
+    with pytest.raises(ShapeMismatchError, match=r"frame 1 of the list has \{boxes: int64\[3, 4\]\}"):
+        store.add(["v", "v"], [0, 1], [{"boxes": torch.ones(3, 4)}, {"boxes": torch.ones(3, 4, dtype=torch.long)}])
+    store.add(["v"], [0], {"b": Ragged.from_lengths(torch.ones(2, 4), torch.tensor([2])).to_nested()})
+    store.add(["v"], [1], {"b": Ragged.from_lengths(torch.ones(2, 3), torch.tensor([2])).to_nested()})
+    with pytest.raises(ShapeMismatchError, match=r"float32\[\*, 4\]\} and \{b: float32\[\*, 3\]\}") as e:
+        store.parts(0)
+    assert "ragged=" not in str(e.value)  # a declaration would not help
+    with pytest.raises(ValueError, match="named ragged, but it holds one value per frame"):
+        tdgather.FrameStore().add(["v"], [0], {"s": torch.ones(1)}, ragged=["s"])
+    with pytest.raises(ValueError, match="ragged in dim 2"):
+        nt = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(2, 4)], layout=torch.jagged)  # [2, 2, j]
+        tdgather.FrameStore().add(["v", "v"], [0, 1], nt)
+
+
+def test_a_strict_policy_refuses_a_copy_with_another_number_of_boxes():
+    store = tdgather.FrameStore()
+    store.add(["v", "v"], [0, 0], [torch.ones(2, 4), torch.ones(3, 4)])
+    with pytest.raises(DuplicateFrameError, match=r"frame_idx 0.*'<tensor>': 3 rows against 2"):
+        tdgather.gather(store, duplicates="exact")
+    kept = tdgather.gather(store)  # keep: the first copy
+    assert kept["v"].frames.offsets().tolist() == [0, 2] and kept.stats.duplicates.inexact == 1
+
+
+def test_views_and_non_contiguous_batches_are_stored_as_their_values():
+    big = torch.arange(400.0).reshape(10, 10, 4)
+    rows = [big[i, : i % 4, :] for i in range(10)]  # views of one storage
+    store = tdgather.FrameStore()
+    store.add("v", torch.arange(10), [r.t().t() for r in rows])
+    nt = torch.nested.narrow(
+        torch.arange(40.0).reshape(10, 4),
+        1,
+        torch.tensor([0, 0, 1, 0, 0, 0, 0, 0, 0, 0]),
+        torch.tensor([1, 2, 0, 3, 1, 0, 2, 1, 1, 4]),
+        layout=torch.jagged,
+    )
+    store.add("w", torch.arange(10), nt)  # a jagged view with holes
+    got = tdgather.gather(store)
+    v, w = got["v"].frames, got["w"].frames
+    assert all(torch.equal(v[i], rows[i]) for i in range(10))
+    assert all(torch.equal(w[i], nt[i]) for i in range(10))
+    assert store.nbytes == sum(r.numel() for r in rows) * 4 + int(nt.lengths().sum()) * 4
+
+
+def test_a_cuda_ragged_batch_is_copied_to_the_host_once():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    lengths = torch.tensor([3, 0, 2])
+    nt = Ragged.from_lengths(torch.rand(5, 4, device="cuda"), lengths).to_nested()
+    store = tdgather.FrameStore()
+    store.add(["v"] * 3, torch.arange(3, device="cuda"), {"boxes": nt, "feat": torch.rand(3, 8, device="cuda")})
+    f = tdgather.gather(store)["v"]
+    assert f.frames["boxes"].values().device.type == "cpu"
+    assert torch.equal(f.frames["boxes"].values(), nt.values().cpu())
+
+
+# ---- hostile input: from a peer, and from disk --------------------------------------------------
+
+
+def _ragged_message():
+    store = tdgather.FrameStore()
+    store.add(
+        ["a", "a", "b"],
+        [0, 1, 0],
+        {"boxes": Ragged.from_lengths(torch.ones(5, 4), torch.tensor([2, 0, 3])).to_nested()},
+    )
+    packed = pack(store)
+    return json.loads(encode_json(packed.header)), packed.index
+
+
+def test_a_peers_lengths_are_checked_before_use():
+    header, index = _ragged_message()
+    parsed = decode_header(header, Kind.DATA, 1, index.numel())
+    assert decode_index(parsed, index, 1)[0][2][0].tolist() == [2, 0, 3]
+    at = index_offsets([(3, 4, 2, 1)])[2]  # int32 frame_idx, 2 runs, 1 ragged leaf
+    for lengths, match in [
+        ([2, -1, 4], "row counts >= 0 that sum to 5"),
+        ([2, 0, 2], "row counts >= 0 that sum to 5"),
+        ([2**62, 2**62, 5 - 2**63], "row counts >= 0 that sum to 5"),  # an overflow that sums to 5
+    ]:
+        bad = index.clone()
+        bad[at : at + 24].view(torch.int64).copy_(torch.tensor(lengths, dtype=torch.int64))
+        with pytest.raises(ProtocolError, match=rf"lengths of leaf 0: expected {match}"):
+            decode_index(parsed, bad, 1)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda g: g["elems"].__setitem__(0, 6), r"pieces\[0\]: expected piece row counts >= 1 that sum to 6"),
+        (lambda g: g["layout"]["leaves"][0].__setitem__("ragged", False), r"ragged: expected true"),
+        (lambda g: g["layout"]["leaves"][0].__setitem__("extra", 1), r"leaves\[0\]: expected an object with keys"),
+        (
+            lambda g: g["layout"]["leaves"][0].pop("ragged"),
+            r"elems\[0\]: expected 3 \(the rows of a leaf that is not ragged\)",
+        ),
+        (lambda g: g["elems"].pop(), r"elems: expected a list of 1 items"),
+    ],
+)
+def test_a_peers_ragged_header_is_checked_before_anything_is_allocated(change, match):
+    header, index = _ragged_message()
+    change(header["groups"][0])
+    with pytest.raises(ProtocolError, match=match):
+        decode_header(decode_json(encode_json(header), 1, Limits()), Kind.DATA, 1, index.numel())
+
+
+def _saved(tmp_path):
+    boxes, got = _gather_boxes([2, 0, 3, 1])
+    tdgather.save(got, tmp_path / "ds")
+    return tmp_path / "ds", boxes
+
+
+def test_a_plain_safetensors_reader_gets_values_and_offsets(tmp_path):
+    out, boxes = _saved(tmp_path)
+    index = json.loads((out / "tdgather.index.json").read_text())
+    seg = index["files"]["v.mp4"]["segments"][0]
+    with safe_open(out / seg["shard"], framework="pt") as f:
+        offsets = f.get_slice(f"{seg['group']}.leaf0.offsets")[seg["start"] : seg["start"] + seg["frames"] + 1]
+        values = f.get_slice(f"{seg['group']}.leaf0")[int(offsets[0]) : int(offsets[-1])]
+    assert offsets.tolist() == [0, 2, 2, 5, 6] and torch.equal(values, boxes.values)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda o: o[1:3].copy_(torch.tensor([5, 2])), r"g0.leaf0.offsets: expected non-decreasing offsets in 0..6"),
+        (lambda o: o[2].fill_(99), r"g0.leaf0.offsets: expected non-decreasing offsets in 0..6"),
+        (lambda o: o[4].fill_(5), r"g0.leaf0.offsets: expected first and last offsets \[0, 6\] \(the values' rows\)"),
+    ],
+)
+def test_offsets_edited_on_disk_are_refused_before_the_values_are_read(tmp_path, change, match):
+    out, _ = _saved(tmp_path)
+    shard = next(out.glob("shard-*.safetensors")).name
+    rewrite_shard(out / shard, tensors=lambda t: change(t["g0.leaf0.offsets"]))
+    with pytest.raises(DatasetError, match=match):
+        tdgather.open(out)["v.mp4"]
+
+
+def test_a_values_tensor_of_another_shape_is_refused(tmp_path):
+    out, _ = _saved(tmp_path)
+    shard = next(out.glob("shard-*.safetensors")).name
+    rewrite_shard(out / shard, tensors=lambda t: t.__setitem__("g0.leaf0", t["g0.leaf0"].reshape(-1, 2)))
+    with pytest.raises(DatasetError, match=r"g0.leaf0: expected float32\[12, 4\], got 'float32\[12, 2\]'"):
+        tdgather.open(out).verify()
+    assert os.path.isdir(out)
