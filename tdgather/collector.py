@@ -151,9 +151,9 @@ class Collector:
         """Add a batch of B frames (as `FrameStore.add`); returns quickly, waits only on back-pressure."""
         self._active().add(filenames, frame_idx, frames, ragged=ragged)
 
-    def update(self, predictions: Mapping[str, Any]) -> None:
-        """Add ``{filename: (frame_idx, value)}`` or ``{filename: [(frame_idx, value), ...]}``."""
-        self._active().update(predictions)
+    def update(self, predictions: Mapping[str, Any], *, ragged: Any = ()) -> None:
+        """Add ``{filename: (frame_idx, value)}`` or a list of such pairs per filename (as `FrameStore.update`)."""
+        self._active().update(predictions, ragged=ragged)
 
     def close(self) -> CollectorSummary | None:
         """Flush and finish; on rank ``dst`` write the index and return the summary, elsewhere None."""

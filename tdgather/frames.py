@@ -150,8 +150,8 @@ def ragged_hint(a: Layout, b: Layout) -> str:
     "" when something else differs too (a dtype, a later dim, the structure).
 
     >>> fixed = Layout("tree", None, (Leaf(("boxes",), torch.float32, (3, 4)),))
-    >>> ragged_hint(fixed, Layout("tree", None, (Leaf(("boxes",), torch.float32, (5, 4)),)))[-52:]
-    "add(..., ragged=['boxes']) or a jagged nested tensor"
+    >>> ragged_hint(fixed, Layout("tree", None, (Leaf(("boxes",), torch.float32, (5, 4)),))).split(" (")[0]
+    "; if a leaf's first dim changes from frame to frame, pass ragged=['boxes']"
     """
 
     def row(x: Leaf) -> tuple | None:  # dtype and the shape of one row, for a leaf that has rows
@@ -174,8 +174,8 @@ def ragged_hint(a: Layout, b: Layout) -> str:
         return ""
     spec = True if a.kind == "tensor" else names
     return (
-        "; if a leaf's first dim changes from frame to frame, declare it ragged: "
-        f"add(..., ragged={spec!r}) or a jagged nested tensor"
+        f"; if a leaf's first dim changes from frame to frame, pass ragged={spec!r} (to add(), update(), "
+        "gather() or the Collector's add()) or give it as a jagged nested tensor"
     )
 
 

@@ -24,7 +24,7 @@ import contextlib
 import gc
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -120,6 +120,7 @@ def gather(
     group: Any = None,
     timeout: float | timedelta | None = None,
     duplicates: str | DuplicatePolicy = "keep",
+    ragged: bool | str | Iterable[str] = (),
 ) -> Gathered | None:
     """Gather every rank's frames to rank ``dst``, as CPU tensors, ordered per filename.
 
@@ -135,6 +136,8 @@ def gather(
         duplicates: what to do with copies of one ``(filename, frame_idx)``: ``"keep"`` one (the
             lowest rank's) and count it, ``"exact"`` (raise on any bit difference), or
             ``DuplicatePolicy("close", rtol=..., atol=...)`` (raise beyond the tolerance).
+        ragged: for a dict of predictions, the leaves whose first dim changes from frame to frame
+            (boxes ``[N_i, 4]``): dotted keys, or True for every leaf (`FrameStore.add` explains).
 
     Returns:
         On ``dst``, a `Gathered` dict ``{filename: Frames}``; elsewhere None. With torch.distributed
@@ -156,7 +159,7 @@ def gather(
     policy = DuplicatePolicy.of(duplicates)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         with _collection_paused():
-            return _Receive(as_store(predictions), 0, {}, policy, start).local()
+            return _Receive(predictions, 0, {}, policy, start, ragged=ragged).local()
     pg = transport_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     if not 0 <= dst < world:
@@ -164,14 +167,14 @@ def gather(
     call = begin_call(pg, "gather", dst, wait)
     try:
         if rank != dst:
-            _send(predictions, call.channel(dst))
+            _send(predictions, call.channel(dst), ragged)
             return None
         channels = {p: call.channel(p) for p in range(world) if p != rank}
         answers = Answers(channels, heartbeat_interval(wait)).start()
         try:
             grace = wait.total_seconds() / 2
             with _collection_paused():
-                return _Receive(predictions, rank, channels, policy, start, grace).run(answers)
+                return _Receive(predictions, rank, channels, policy, start, grace, ragged).run(answers)
         finally:
             answers.stop()
     finally:
@@ -195,11 +198,11 @@ def _collection_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _send(predictions: Any, ch: Channel) -> None:
+def _send(predictions: Any, ch: Channel, ragged: Any = ()) -> None:
     failure = None
     try:
         with _collection_paused():
-            packed = pack(as_store(predictions))
+            packed = pack(as_store(predictions, ragged))
     except Exception as e:  # bad input here: tell dst, so nobody waits for frames that never come
         failure = e
     try:
@@ -227,9 +230,16 @@ class _Receive:
     """Rank dst's side of one gather: read the frame indexes, place, land the pieces, answer."""
 
     def __init__(
-        self, predictions: Any, rank: int, channels: dict[int, Channel], policy: Any, start: float, grace: float = 0.0
+        self,
+        predictions: Any,
+        rank: int,
+        channels: dict[int, Channel],
+        policy: Any,
+        start: float,
+        grace: float = 0.0,
+        ragged: Any = (),
     ) -> None:
-        self.predictions, self.rank, self.channels = predictions, rank, channels
+        self.predictions, self.ragged, self.rank, self.channels = predictions, ragged, rank, channels
         self.policy, self.start = policy, start
         self.errors: dict[int, BaseException] = {}
         self.parts: dict[int, list[Part]] = {r: [] for r in sorted([rank, *channels])}
@@ -250,7 +260,7 @@ class _Receive:
 
     def local(self) -> Gathered:
         """No peers: place and merge rank dst's own frames."""
-        self.parts[self.rank] = self.predictions.parts(self.rank)
+        self.parts[self.rank] = as_store(self.predictions, self.ragged).parts(self.rank)
         self._place()
         self._land_local()
         return self._result()
@@ -259,7 +269,7 @@ class _Receive:
         with ThreadPoolExecutor(max_workers=len(self.channels), thread_name_prefix="tdgather-recv") as pool:
             futures = {peer: pool.submit(self._read_peer, peer) for peer in self.channels}
             try:
-                self.parts[self.rank] = as_store(self.predictions).parts(self.rank)
+                self.parts[self.rank] = as_store(self.predictions, self.ragged).parts(self.rank)
             except Exception as e:
                 self.errors[-1] = e
             deadline = time.monotonic() + self.grace

@@ -228,17 +228,31 @@ class FrameStore:
             self._plain[(frames.dtype, frames.shape)] = group
         self._append(group, names, idx, tensors, json, self.copy)
 
-    def update(self, predictions: Mapping[str, Any]) -> None:
-        """Add ``{filename: (frame_idx, value)}`` or ``{filename: [(frame_idx, value), ...]}``."""
+    def update(self, predictions: Mapping[str, Any], *, ragged: bool | str | Iterable[str] = ()) -> None:
+        """Add ``{filename: (frame_idx, value)}`` or ``{filename: [(frame_idx, value), ...]}``.
+
+        ``ragged``: the leaves whose first dim changes from frame to frame (as in `add`).
+        """
         fast: dict[tuple, _Bucket] = {}  # plain tensors by (dtype, shape): no Layout hashed per frame
         other: dict[Layout, _Bucket] = {}
+        spec = _ragged_spec(ragged) if ragged else frozenset()
         for name, entry in predictions.items():
             for pair in _pairs(name, entry):
                 try:
                     fi, value = pair
                 except (TypeError, ValueError):
                     raise _not_a_pair(name, pair) from None
-                if type(value) is torch.Tensor and not value.is_nested:
+                if spec:  # a batch of one frame: its ragged leaves are Ragged, the others [1, ...]
+                    layout, tensors, json = flatten([value], 1, f"filename {name!r}", spec)
+                    json = [values[0] for values in json]
+                    bucket = other.get(layout) or other.setdefault(layout, _Bucket(layout))
+                    bucket.names.append(name)
+                    bucket.idx.append(fi)
+                    for lst, t in zip(bucket.leaves, tensors, strict=True):
+                        lst.append(t)
+                    for lst, v in zip(bucket.json, json, strict=True):
+                        lst.append(v)
+                elif type(value) is torch.Tensor and not value.is_nested:
                     bucket = fast.get((value.dtype, value.shape))
                     if bucket is None:
                         layout = flatten(value, None, f"filename {name!r}")[0]
@@ -268,7 +282,7 @@ class FrameStore:
                 if first is not b.layout:
                     raise _mismatch(name, first, b.layout)
         for b, idx in buckets:  # checked: nothing is half-added
-            tensors = [_stack(ts) for ts in b.leaves]
+            tensors = [_stack(ts, joined=bool(spec)) for ts in b.leaves]
             self._append(self._group(b.layout), b.names, idx, tensors, b.json, copy=False)
 
     def _group(self, layout: Layout) -> _Group:
@@ -410,8 +424,8 @@ class FrameStore:
         return sum(len(g.chunks) + (g.fill > g.start) for g in self._groups.values())
 
 
-def as_store(predictions: FrameStore | Mapping[str, Any]) -> FrameStore:
-    """Return ``predictions`` as a `FrameStore` (a store passes through)."""
+def as_store(predictions: FrameStore | Mapping[str, Any], ragged: Any = ()) -> FrameStore:
+    """Return ``predictions`` as a `FrameStore` (a store passes through); ``ragged`` as `FrameStore.update` takes it."""
     if isinstance(predictions, FrameStore):
         return predictions
     if not isinstance(predictions, Mapping):
@@ -420,7 +434,7 @@ def as_store(predictions: FrameStore | Mapping[str, Any]) -> FrameStore:
             f"or a tdgather.FrameStore, got {type(predictions).__name__}"
         )
     store = FrameStore()
-    store.update(predictions)
+    store.update(predictions, ragged=ragged)
     return store
 
 
@@ -544,8 +558,12 @@ def _check_filename(name: Any) -> None:
         ) from None
 
 
-def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _stack(tensors: list, joined: bool = False) -> Any:
+    """Frames as one batch: stacked, or ``joined`` (batches of one: concatenated, `Ragged` ones too)."""
+    if tensors and isinstance(tensors[0], Ragged):
+        return Ragged.cat(tensors)
+    join = torch.cat if joined else torch.stack
     try:
-        return torch.stack(tensors)  # on CUDA: one stack there, then one copy to the host
+        return join(tensors)  # on CUDA: one stack there, then one copy to the host
     except RuntimeError:  # frames on several devices
-        return torch.stack([t.cpu() for t in tensors])
+        return join([t.cpu() for t in tensors])

@@ -168,9 +168,9 @@ class _Side:
         self.store.add(filenames, frame_idx, frames, ragged=ragged)
         self._maybe_flush()
 
-    def update(self, predictions: Mapping[str, Any]) -> None:
+    def update(self, predictions: Mapping[str, Any], ragged: Any = ()) -> None:
         self.check()
-        self.store.update(predictions)
+        self.store.update(predictions, ragged=ragged)
         self._maybe_flush()
 
     def _maybe_flush(self) -> None:

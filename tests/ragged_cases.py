@@ -16,6 +16,7 @@ import tdgather
 from tdgather.ragged import Ragged
 
 FEAT = 16
+DETECTIONS = ["boxes", "scores", "labels"]  # the ragged leaves
 
 
 class Job:
@@ -126,7 +127,7 @@ def case_gather(files: int, per_file: int, max_boxes: int, batch: int, form: str
     job = Job(files, per_file, max_boxes, world)
     store = tdgather.FrameStore()
     for names, idx, frames in job.batches(rank, batch, form, fewer):
-        store.add(names, idx, frames, ragged=["boxes", "scores", "labels"])
+        store.add(names, idx, frames, ragged=DETECTIONS)
     result = tdgather.gather(store, timeout=120)
     if rank != 0:
         return None
@@ -143,7 +144,7 @@ def case_save_and_stream(out: str, files: int, per_file: int, max_boxes: int, bu
             col.add(names, idx, frames)
     store = tdgather.FrameStore()
     for names, idx, frames in job.batches(rank, 8, "list"):
-        store.add(names, idx, frames, ragged=["boxes", "scores", "labels"])
+        store.add(names, idx, frames, ragged=DETECTIONS)
     gathered = tdgather.gather(store, timeout=120)
     if rank != 0:
         return None
@@ -201,3 +202,27 @@ def case_cut_mid_values(tmp: str) -> dict | None:
             same_bits(f.frames["boxes"], sent[name].index_select(0, f.frame_idx), name)
         return {"type": type(e).__name__, "frames": {name: len(got[name]) for name in got}}
     return {"type": None}
+
+
+def _dict_of(job: Job, rank: int) -> dict:
+    """Rank ``rank``'s frames as ``{filename: [(frame_idx, {"boxes": [N_i, 4], ...}), ...]}``."""
+    out: dict = {}
+    for names, idx, frames in job.batches(rank, 8, "list"):
+        for name, i, frame in zip(names, idx.tolist(), frames, strict=True):
+            out.setdefault(name, []).append((i, frame))
+    return out
+
+
+def case_dict_form(out: str) -> dict | None:
+    """The ``{filename: [(frame_idx, value)]}`` form with ``ragged=``: gather() and Collector.update()."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    job = Job(5, 9, 5, world)
+    preds = _dict_of(job, rank)
+    gathered = tdgather.gather(preds, timeout=60, ragged=DETECTIONS)
+    with tdgather.Collector(out, timeout=60, progress=False) as col:
+        col.update(preds, ragged=DETECTIONS)
+    if rank != 0:
+        return None
+    check_result(job, gathered)
+    check_result(job, tdgather.open(out))
+    return {"frames": gathered.stats.frames}

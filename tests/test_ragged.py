@@ -18,9 +18,6 @@ from tdgather.wire import Kind, Limits, decode_header, decode_index, decode_json
 from . import ragged_cases as rc
 from .test_reader import rewrite_shard
 
-DETECTIONS = ["boxes", "scores", "labels"]
-
-
 # ---- in real gloo worlds -----------------------------------------------------------------------
 
 
@@ -298,3 +295,8 @@ def test_a_values_tensor_of_another_shape_is_refused(tmp_path):
     with pytest.raises(DatasetError, match=r"g0.leaf0: expected float32\[12, 4\], got 'float32\[12, 2\]'"):
         tdgather.open(out).verify()
     assert os.path.isdir(out)
+
+
+@pytest.mark.world
+def test_the_dict_form_takes_ragged_too(tmp_path):
+    assert run_local_world(rc.case_dict_form, 3, str(tmp_path / "ds"), timeout=120)[0] == {"frames": 45}
