@@ -7,8 +7,8 @@ spill of a `tdgather.Collector`. Per layout:
    so the first copy of a frame is the lowest rank's);
 2. scatter each part's batches into one new buffer per leaf; or, ``by_reference`` (a spill,
    which is written and then dropped) and where rows come in runs of at least `REF_RUN_BYTES`,
-   copy nothing: each leaf is `Rows`, the parts' own rows in result order, which the sink
-   writes with one gathered write per run (`Rows.byte_views`);
+   copy nothing: the leaf is `Rows` (a ragged leaf's values too), the parts' own rows in result
+   order, which the sink writes with one gathered write per run (`Rows.byte_views`);
 3. compare every later copy with the first and resolve it by the `tdgather.duplicates` policy
    (kept once and counted by default).
 """
@@ -23,6 +23,7 @@ import torch
 from .duplicates import DuplicateCounts
 from .frames import Frames
 from .plan import Group, Part, Placement, place, scatter_chunks
+from .ragged import Ragged
 
 __all__ = ["REF_RUN_BYTES", "Merged", "Rows", "merge"]
 
@@ -127,38 +128,64 @@ def merge(parts: list[Part], duplicates: Any = "keep", by_reference: bool = Fals
     """
     groups, found = [], DuplicateCounts()
     for placement, members in place(parts):
-        buffers = _references(placement, members) if by_reference else None
-        if buffers is None:
-            buffers = placement.allocate()
-            for part, dests in zip(members, placement.leaf_dest, strict=True):
-                scatter_chunks(buffers, dests, part.chunks)
+        buffers = placement.allocate()  # pages are touched only where rows are copied in
+        refs = _references(placement, members) if by_reference else [None] * len(buffers)
+        copied = [j for j, r in enumerate(refs) if r is None]
+        for part, dests in zip(members, placement.leaf_dest, strict=True):
+            chunks = [[c[j] for j in copied] for c in part.chunks]
+            scatter_chunks([buffers[j] for j in copied], [dests[j] for j in copied], chunks)
+        buffers = [b if r is None else r for b, r in zip(buffers, refs, strict=True)]
         found += placement.check_duplicates(buffers, duplicates)
         groups.append(placement.group(buffers))
     return Merged(groups, found, ranks_of(parts))
 
 
-def _references(placement: Placement, members: list[Part]) -> list[Rows] | None:
-    """Each leaf as `Rows` over the members' batches, or None where the runs are too short for it."""
+def _references(placement: Placement, members: list[Part]) -> list[Any]:
+    """Per leaf: `Rows` over the members' batches (a `Ragged` of them when ragged), or None to copy.
+
+    The leaves that are not ragged share their rows' places, so they go by reference together
+    when their rows average `REF_RUN_BYTES` a run; each ragged leaf's value rows are judged alone.
+    """
     chunks = [c for part in members for c in part.chunks]
-    if not chunks or not placement.layout.leaves or placement.layout.ragged:
+    leaves = placement.layout.leaves
+    refs: list[Any] = [None] * len(leaves)
+    if not chunks:
+        return refs
+    n = placement.num_frames
+    fixed = [j for j, leaf in enumerate(leaves) if not leaf.ragged]
+    if fixed:
+        rows = _rows_of(placement, chunks, fixed[0], n)
+        if rows is not None and n * placement.layout.frame_nbytes >= rows[2] * REF_RUN_BYTES:
+            for j in fixed:
+                refs[j] = Rows(_sources(chunks, j), rows[0], rows[1], 0, rows[0].numel())
+    for j, leaf in enumerate(leaves):
+        if leaf.ragged:
+            offsets = placement.offsets[j]
+            values = int(offsets[n])  # the result's value rows; later copies follow
+            rows = _rows_of(placement, chunks, j, values)
+            if rows is not None and values * leaf.row_nbytes >= rows[2] * REF_RUN_BYTES:
+                refs[j] = Ragged(Rows(_sources(chunks, j), rows[0], rows[1], 0, rows[0].numel()), offsets)
+    return refs
+
+
+def _rows_of(placement: Placement, chunks: list, j: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """For leaf ``j``'s buffer rows: the chunk and the row each comes from, and the runs of its first ``n``."""
+    rows = torch.tensor([c[j].shape[0] for c in chunks], dtype=torch.int64)
+    total = int(rows.sum())
+    if not total:
         return None
-    rows = torch.tensor([c[0].shape[0] for c in chunks], dtype=torch.int64)
     starts = torch.cumsum(rows, 0) - rows
-    src_of = torch.repeat_interleave(torch.arange(len(chunks)), rows)
-    row_of = torch.arange(int(rows.sum())) - torch.repeat_interleave(starts, rows)
-    dest = torch.cat(placement.dest)
+    src_of = torch.repeat_interleave(torch.arange(len(chunks)), rows, output_size=total)
+    row_of = torch.arange(total) - torch.repeat_interleave(starts, rows, output_size=total)
+    dest = torch.cat([d[j] for d in placement.leaf_dest])
     src, row = torch.empty_like(src_of), torch.empty_like(row_of)
     src[dest], row[dest] = src_of, row_of
-    n = placement.num_frames
     runs = 1 + int(((src[1:n] != src[: n - 1]) | (row[1:n] != row[: n - 1] + 1)).sum()) if n else 1
-    if n * placement.layout.frame_nbytes < runs * REF_RUN_BYTES:
-        return None
-    total = dest.numel()
-    leaves = []
-    for j in range(len(placement.layout.leaves)):
-        sources = [c[j] if c[j].is_contiguous() else c[j].contiguous() for c in chunks]
-        leaves.append(Rows(sources, src, row, 0, total))
-    return leaves
+    return src, row, runs
+
+
+def _sources(chunks: list, j: int) -> list[torch.Tensor]:
+    return [c[j] if c[j].is_contiguous() else c[j].contiguous() for c in chunks]
 
 
 def ranks_of(parts: list[Part]) -> dict[str, set[int]]:

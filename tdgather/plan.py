@@ -61,6 +61,11 @@ class Part:
         return self.frame_idx.numel()
 
     @property
+    def value_rows(self) -> int:
+        """Rows of its ragged leaves' values, all leaves together."""
+        return sum(int(n.sum()) for n in self.lengths if n is not None)
+
+    @property
     def nbytes(self) -> int:
         """Tensor bytes of its frames."""
         values = [

@@ -13,6 +13,7 @@ so users give and get those (`Ragged.to_nested` is a view), and `padded` pads on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,8 @@ __all__ = ["Ragged", "element_index", "offsets_of", "padded", "values_of"]
 
 class Ragged:
     """T frames of one ragged leaf: ``values`` and ``offsets`` (which need not start at 0: a row slice).
+
+    ``values`` is a tensor, or (a Collector's spill, written and dropped) `tdgather.merge.Rows`.
 
     >>> r = Ragged.from_list([torch.ones(2, 4), torch.zeros(0, 4), torch.ones(1, 4)])
     >>> len(r), r.lengths.tolist(), r[1:].lengths.tolist()
@@ -94,7 +97,7 @@ class Ragged:
     @property
     def nbytes(self) -> int:
         """Bytes of the frames' rows."""
-        return self.num_rows * self.values[:1].numel() * self.values.element_size() if self.values.numel() else 0
+        return self.num_rows * math.prod(self.values.shape[1:]) * self.values.dtype.itemsize
 
     def __getitem__(self, s: slice) -> Ragged:
         lo, hi, step = s.indices(len(self))

@@ -45,6 +45,7 @@ _CLOSE = object()
 # What merging a buffer costs per frame beyond its bytes (sort keys, permutations, masks, int64
 # indices): about 100 bytes. Counted against the budget, so that tiny frames respect it too.
 _MERGE_BYTES_PER_FRAME = 128
+_MERGE_BYTES_PER_VALUE_ROW = 24  # a ragged leaf's value row: its int64 place, source chunk and row
 
 
 @dataclass(frozen=True)
@@ -393,7 +394,8 @@ class Destination(_Side):
                 self.write_failed = True
                 self._fail(e)
                 continue
-            spill.add(parts, buffers, size + _MERGE_BYTES_PER_FRAME * frames)
+            values = sum(p.value_rows for p in parts)
+            spill.add(parts, buffers, size + _MERGE_BYTES_PER_FRAME * frames + _MERGE_BYTES_PER_VALUE_ROW * values)
             if spill.nbytes >= self.settings.spill_bytes:
                 self._spill(spill.parts)
                 self.pool.give(spill.buffers)  # written: the buffers take the next chunks

@@ -365,8 +365,11 @@ def case_backpressure(out: str) -> dict:
     return {"frames": col.summary.frames if col.summary else None}
 
 
-def case_memory(out: str, budget: int, per_sender_mb: int) -> dict | None:
-    """Senders stream per_sender_mb each; rank 0 samples its resident memory while it collects."""
+def case_memory(out: str, budget: int, per_sender_mb: int, ragged: bool = False) -> dict | None:
+    """Senders stream per_sender_mb each; rank 0 samples its resident memory while it collects.
+
+    Frames are ``[3, 64, 64]`` float32, or (``ragged``) instance masks ``[N_i, 64, 64]`` with N_i in 0..6.
+    """
     from benchmarks.memory import PeakSampler
 
     rank = dist.get_rank()
@@ -377,11 +380,14 @@ def case_memory(out: str, budget: int, per_sender_mb: int) -> dict | None:
         if rank != 0:
             for i in range(0, n, 32):
                 k = min(32, n - i)
-                col.add(
-                    [f"r{rank}_{(i + j) // 100}.mp4" for j in range(k)],
-                    [(i + j) % 100 for j in range(k)],
-                    torch.full((k, *frame), float(rank)),
-                )
+                frames = torch.full((k, *frame), float(rank))
+                if ragged:
+                    lengths = torch.arange(i, i + k) % 7
+                    values = torch.full((int(lengths.sum()), 64, 64), float(rank))
+                    frames = torch.nested.nested_tensor_from_jagged(
+                        values, torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+                    )
+                col.add([f"r{rank}_{(i + j) // 100}.mp4" for j in range(k)], [(i + j) % 100 for j in range(k)], frames)
     if rank != 0:
         return None
     peak = sampler.close()

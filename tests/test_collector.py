@@ -40,10 +40,11 @@ def test_back_pressure_bounds_the_senders_queue(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
-def test_rank0_memory_stays_under_the_budget(tmp_path):
+@pytest.mark.parametrize("ragged", [False, True], ids=["fixed", "ragged"])
+def test_rank0_memory_stays_under_the_budget(tmp_path, ragged):
     # resident data (anonymous memory) on rank 0; library code paged in is file-backed and reported apart
     budget = 48 << 20
-    out = run_local_world(cases.case_memory, 3, str(tmp_path / "ds"), budget, 150, timeout=300)[0]
+    out = run_local_world(cases.case_memory, 3, str(tmp_path / "ds"), budget, 150, ragged, timeout=300)[0]
     assert out["bytes"] > 290_000_000  # six times the budget went through rank 0
     assert out["shards"] > 3
     assert out["anon"] < budget, f"rank 0 held {out['anon'] / 2**20:.0f} MiB over a {budget / 2**20:.0f} MiB budget"
