@@ -67,6 +67,9 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{'filename':<{width}}  {'frames':>7}  layout")
     for name in shown:
         print(f"{name!r:<{width}}  {ds.num_frames(name):>7}  {ds.layout(name).describe()}")
+        for leaf, n in ds.lengths(name).items():  # ragged leaves: rows per frame
+            spread = f"min {int(n.min())}, mean {float(n.double().mean()):.1f}, max {int(n.max())}"
+            print(f"{'':<{width}}  {'':>7}    {leaf}: rows per frame {spread}")
     if len(shown) < len(names):
         print(f"... {len(names) - len(shown)} more (--all shows every filename)")
     m = ds.metadata

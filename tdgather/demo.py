@@ -1,7 +1,8 @@
 """``tdgather demo``: a small real inference job on a local CPU world.
 
 Every rank runs the same small convolutional network over its share of a set
-of synthetic videos and hands each batch's outputs to a `tdgather.Collector`,
+of synthetic videos (dense maps, and detections whose number changes from frame
+to frame) and hands each batch's outputs to a `tdgather.Collector`,
 which streams them to rank 0 while the loop runs; rank 0 writes the dataset.
 The frames are spread unevenly over the ranks, out of order, and the last rank
 holds nothing.
@@ -25,7 +26,9 @@ DEMO_MARK = "tdgather_demo"  # in the index metadata of a dataset the demo wrote
 
 
 class DemoNet(nn.Module):
-    """A small dense-prediction network: per frame, a depth map and a segmentation."""
+    """A small network: per frame a depth map, a segmentation, and a varying number of detections."""
+
+    GRID = 8  # the detector's anchors: one box per cell of a GRID x GRID grid
 
     def __init__(self, classes: int = 5) -> None:
         super().__init__()
@@ -39,11 +42,29 @@ class DemoNet(nn.Module):
         )
         self.depth = nn.Conv2d(32, 1, 1)
         self.seg = nn.Conv2d(32, classes, 1)
+        self.objectness = nn.Conv2d(32, 1, 1)
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Return ``{"depth": float32[B, 1, H/2, W/2], "seg": uint8[B, H/2, W/2]}``."""
+        """Return ``{"depth": float32[B, 1, H/2, W/2], "seg": uint8[B, H/2, W/2], "boxes", "scores"}``.
+
+        ``boxes`` (float32 ``[N_i, 4]``, x0 y0 x1 y1 in pixels) and ``scores`` (float32 ``[N_i]``) are
+        jagged nested tensors: a toy detector keeps the grid cells whose objectness stands out in
+        their frame (more than one standard deviation above its mean), so ``N_i`` varies, 0 included.
+        """
         h = self.body(x)
-        return {"depth": self.depth(h).sigmoid(), "seg": self.seg(h).argmax(1).to(torch.uint8)}
+        cells = nn.functional.adaptive_avg_pool2d(self.objectness(h), self.GRID).flatten(1)  # [B, GRID * GRID]
+        z = (cells - cells.mean(1, keepdim=True)) / cells.std(1, keepdim=True)
+        keep = z > 1.0
+        frame, cell = keep.nonzero(as_tuple=True)  # row-major: frame by frame
+        step = x.shape[-1] / self.GRID
+        corner = torch.stack([cell % self.GRID, cell // self.GRID], 1).float() * step
+        offsets = torch.cat([keep.new_zeros(1, dtype=torch.int64), keep.sum(1).cumsum(0)])
+        return {
+            "depth": self.depth(h).sigmoid(),
+            "seg": self.seg(h).argmax(1).to(torch.uint8),
+            "boxes": torch.nested.nested_tensor_from_jagged(torch.cat([corner, corner + step], 1), offsets),
+            "scores": torch.nested.nested_tensor_from_jagged(z[frame, cell].sigmoid(), offsets),
+        }
 
 
 def video_frames(seed: int, video: int, frames: list[int], size: int) -> torch.Tensor:

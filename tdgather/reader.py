@@ -98,6 +98,22 @@ class Dataset(Mapping[str, Frames]):
         """Frames stored for a filename, without reading data."""
         return self._files[name]["frames"]
 
+    def lengths(self, name: str) -> dict[str, torch.Tensor]:
+        """Per ragged leaf (dotted key), each frame's rows, in frame order; reads only the offsets."""
+        layout, out = self.layout(name), {}
+        ragged = [j for j, leaf in enumerate(layout.leaves) if leaf.ragged]
+        if not ragged:
+            return out
+        idx, per_leaf = [], {j: [] for j in ragged}
+        for f, c, group, lo, hi in self._segments(name):
+            idx.append(f.get_slice(f"{group}.frame_idx")[lo:hi])
+            for j in ragged:
+                per_leaf[j].append(_offsets(f, c, f"{group}.leaf{j}", lo, hi)[0].diff())
+        order = torch.argsort(torch.cat(idx))
+        for j in ragged:
+            out[".".join(layout.leaves[j].path) or "<tensor>"] = torch.cat(per_leaf[j])[order]
+        return out
+
     def verify(self) -> None:
         """Check every shard's header against the index now (`__getitem__` does it lazily, per shard)."""
         for shard, entry in self.index["shards"].items():
@@ -106,18 +122,21 @@ class Dataset(Mapping[str, Frames]):
                     check_shard(f, Check(self.path / shard), shard, entry["groups"], self._plan, self._index)
                 self._checked.add(shard)
 
-    def __getitem__(self, name: str) -> Frames:
-        entry = self._files[name]
-        layout = self.layout(name)
-        pieces = []
-        for i, segment in enumerate(entry["segments"]):
+    def _segments(self, name: str) -> Iterator[tuple[Any, Check, str, int, int]]:
+        """Each segment of ``name``: its open shard (header checked on first touch), group and rows."""
+        for i, segment in enumerate(self._files[name]["segments"]):
             shard, group, lo = segment["shard"], segment["group"], segment["start"]
             c = Check(self.path / shard)
             with open_shard(self.path, shard, self._index, f"files{key(name)}.segments[{i}].shard") as f:
                 if shard not in self._checked:  # the first touch checks the whole header, once
                     check_shard(f, c, shard, self.index["shards"][shard]["groups"], self._plan, self._index)
                     self._checked.add(shard)
-                pieces.append(_rows(f, c, group, layout, lo, lo + segment["frames"]))
+                yield f, c, group, lo, lo + segment["frames"]
+
+    def __getitem__(self, name: str) -> Frames:
+        entry = self._files[name]
+        layout = self.layout(name)
+        pieces = [_rows(f, c, group, layout, lo, hi) for f, c, group, lo, hi in self._segments(name)]
         idx, tensors, json_values = pieces[0]
         if len(pieces) > 1:  # segments written at different times: merge them by frame_idx
             order = torch.argsort(torch.cat([p[0] for p in pieces]))
@@ -163,16 +182,22 @@ def _cat(columns: list) -> Any:
     return Ragged.cat(columns) if isinstance(columns[0], Ragged) else torch.cat(columns)
 
 
-def _span(f: Any, c: Check, name: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``lo:hi`` of a blob with offsets (a ragged leaf's values, JSON lines), and their offsets.
+def _offsets(f: Any, c: Check, name: str, lo: int, hi: int) -> tuple[torch.Tensor, Any]:
+    """The offsets of rows ``lo:hi`` of a blob (a ragged leaf's values, JSON lines), and the blob, unread.
 
-    The offsets are checked (non-decreasing, inside the blob) before the blob is read.
+    The offsets are checked (non-decreasing, inside the blob) before anything else is read.
     """
     offsets = f.get_slice(f"{name}.offsets")[lo : hi + 1]
     blob = f.get_slice(name)
     size = blob.get_shape()[0]
     if bool((offsets.diff() < 0).any()) or int(offsets.min()) < 0 or int(offsets.max()) > size:
         raise c.fail(f"{name}.offsets", f"non-decreasing offsets in 0..{size} (rows {lo}..{hi})", offsets.tolist()[:20])
+    return offsets, blob
+
+
+def _span(f: Any, c: Check, name: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``lo:hi`` of a blob with offsets, read once their offsets are checked; and the offsets."""
+    offsets, blob = _offsets(f, c, name, lo, hi)
     return offsets, blob[int(offsets[0]) : int(offsets[-1])]
 
 

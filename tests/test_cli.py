@@ -31,9 +31,19 @@ def test_demo_end_to_end(tmp_path, capsys):
             want = model(video_frames(0, v, list(range(n)), 16))
         torch.testing.assert_close(f.frames["depth"], want["depth"], atol=1e-5, rtol=1e-4)
         assert f.frames["seg"].dtype == torch.uint8 and f.frames["seg"].shape == (n, 8, 8)
+        boxes, scores = f.frames["boxes"], f.frames["scores"]  # detections: a varying number per frame
+        assert boxes.is_nested and boxes.values().shape[1:] == (4,) and torch.equal(boxes.offsets(), scores.offsets())
+        assert bool((scores.values() > 0.731).all())  # kept: objectness more than 1 std above the frame's mean
+    assert ds.layout("video_0000.mp4").describe().startswith("{boxes: float32[*, 4], depth: float32[1, 8, 8]")
 
 
-def test_inspect(tmp_path):
+def _store(name, frames):
+    store = tdgather.FrameStore()
+    store.add(name, torch.arange(frames.shape[0]), frames)
+    return store
+
+
+def test_inspect(tmp_path, capsys):
     tdgather.save(tdgather.gather({"a.mp4": [(0, torch.zeros(2, 3)), (1, torch.ones(2, 3))]}), tmp_path / "ds")
     run = subprocess.run(
         [sys.executable, "-m", "tdgather", "inspect", str(tmp_path / "ds")], capture_output=True, text=True, timeout=120
@@ -41,6 +51,11 @@ def test_inspect(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "'a.mp4'" in run.stdout and "float32[2, 3]" in run.stdout
     assert "total: 1 filenames, 2 frames, 48 B in 1 shard(s)" in run.stdout
+    boxes = torch.nested.nested_tensor_from_jagged(torch.zeros(5, 4), torch.tensor([0, 2, 2, 5]))
+    tdgather.save(tdgather.gather(_store("v.mp4", boxes)), tmp_path / "dets")
+    assert main(["inspect", str(tmp_path / "dets")]) == 0
+    text = capsys.readouterr().out
+    assert "float32[*, 4]" in text and "<tensor>: rows per frame min 0, mean 1.7, max 3" in text
     assert main(["inspect", str(tmp_path / "missing")]) == 1
 
 
