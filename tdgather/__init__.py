@@ -17,6 +17,7 @@ from .errors import (
 )
 from .frames import Frames
 from .gather import Gathered, GatherStats, gather
+from .ragged import padded
 from .reader import Dataset
 from .reader import open_dataset as open
 from .sink import save
@@ -45,6 +46,7 @@ __all__ = [
     "UnsupportedValueError",
     "gather",
     "open",
+    "padded",
     "save",
 ]
 

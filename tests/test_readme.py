@@ -26,7 +26,7 @@ def _run(args, cwd):
 
 
 def test_the_readme_has_the_blocks_this_test_expects():
-    assert len(BLOCKS) == 5, [b.splitlines()[:3] for b in BLOCKS]
+    assert len(BLOCKS) == 6, [b.splitlines()[:3] for b in BLOCKS]
 
 
 def test_every_python_block_runs_as_written_on_two_ranks(tmp_path):
@@ -37,6 +37,7 @@ def test_every_python_block_runs_as_written_on_two_ranks(tmp_path):
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)], tmp_path
         )
     assert (tmp_path / "out" / "quickstart" / "tdgather.index.json").is_file()
+    assert (tmp_path / "out" / "dets" / "tdgather.index.json").is_file()
     assert sorted(os.listdir(tmp_path / "out" / "per_node")) == ["node-000"]
 
 
