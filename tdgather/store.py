@@ -242,17 +242,7 @@ class FrameStore:
                     fi, value = pair
                 except (TypeError, ValueError):
                     raise _not_a_pair(name, pair) from None
-                if spec:  # a batch of one frame: its ragged leaves are Ragged, the others [1, ...]
-                    layout, tensors, json = flatten([value], 1, f"filename {name!r}", spec)
-                    json = [values[0] for values in json]
-                    bucket = other.get(layout) or other.setdefault(layout, _Bucket(layout))
-                    bucket.names.append(name)
-                    bucket.idx.append(fi)
-                    for lst, t in zip(bucket.leaves, tensors, strict=True):
-                        lst.append(t)
-                    for lst, v in zip(bucket.json, json, strict=True):
-                        lst.append(v)
-                elif type(value) is torch.Tensor and not value.is_nested:
+                if not spec and type(value) is torch.Tensor and not value.is_nested:
                     bucket = fast.get((value.dtype, value.shape))
                     if bucket is None:
                         layout = flatten(value, None, f"filename {name!r}")[0]
@@ -261,7 +251,11 @@ class FrameStore:
                     bucket.idx.append(fi)
                     bucket.leaves[0].append(value)
                 else:
-                    layout, tensors, json = flatten(value, None, f"filename {name!r}")
+                    if spec:  # a batch of one frame: its ragged leaves are Ragged, the others [1, ...]
+                        layout, tensors, json = flatten([value], 1, f"filename {name!r}", spec)
+                        json = [values[0] for values in json]
+                    else:
+                        layout, tensors, json = flatten(value, None, f"filename {name!r}")
                     bucket = other.get(layout) or other.setdefault(layout, _Bucket(layout))
                     bucket.names.append(name)
                     bucket.idx.append(fi)
