@@ -21,7 +21,7 @@ import torch
 
 from .rows import scatter_rows
 
-__all__ = ["Ragged", "element_index", "offsets_of", "padded", "values_of"]
+__all__ = ["Ragged", "element_index", "joined", "offsets_of", "padded", "values_of"]
 
 
 class Ragged:
@@ -92,7 +92,7 @@ class Ragged:
     @property
     def num_rows(self) -> int:
         """Rows of all the frames together (``sum N_i``)."""
-        return int(self.offsets[-1] - self.offsets[0]) if len(self) else 0
+        return self.offsets[-1].item() - self.offsets[0].item()
 
     @property
     def nbytes(self) -> int:
@@ -124,6 +124,32 @@ class Ragged:
         """These frames as a jagged nested tensor ``[T, j, *shape]`` (a view of the values)."""
         values, lengths = self.span()
         return torch.nested.nested_tensor_from_jagged(values, offsets_of(lengths))
+
+
+def joined(columns: Sequence[Ragged]) -> list[Ragged]:
+    """The same frames in fewer columns: neighbouring row slices of one column joined into one slice.
+
+    A group's per-filename slices (`tdgather.plan.Group`) come back as one: the sink then writes
+    their values as one view and their offsets with one subtraction, not one per filename.
+    """
+    out: list[Ragged] = []
+    for r in columns:
+        last = out[-1] if out else None
+        o = r.offsets
+        if (
+            last is not None
+            and last.values is r.values
+            and last.offsets.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()
+            and last.offsets.storage_offset() + last.offsets.numel() - 1 == o.storage_offset()
+            and o.stride() == (1,) == last.offsets.stride()
+        ):
+            both = torch.empty(0, dtype=o.dtype).set_(
+                o.untyped_storage(), last.offsets.storage_offset(), (last.offsets.numel() + o.numel() - 1,)
+            )
+            out[-1] = Ragged(r.values, both)
+        else:
+            out.append(r)
+    return out
 
 
 def offsets_of(lengths: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ from .duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
 from .errors import OutputError, ShapeMismatchError
 from .frames import Frames, Layout, flatten, ragged_hint
 from .merge import Rows
-from .ragged import Ragged, offsets_of
+from .ragged import Ragged, joined, offsets_of
 from .reader import read_segment
 
 __all__ = [
@@ -138,19 +138,19 @@ class DatasetWriter:
                 runs = None
                 if not idx.numel():
                     continue
-            nbytes = _frame_bytes(layout, idx, tensors) + 8 * idx.numel()
-            if shards[-1] and size + nbytes > self.max_shard_bytes:
+            nbytes = _frame_bytes(layout, idx, tensors)
+            if shards[-1] and size + nbytes + 8 * idx.numel() > self.max_shard_bytes:
                 shards.append([])
                 size = 0
-            shards[-1].append((name, layout, idx, tensors, json_values, runs))
-            size += nbytes
+            shards[-1].append((name, layout, idx, tensors, json_values, runs, nbytes))
+            size += nbytes + 8 * idx.numel()
         written = []
         for shard in (s for s in shards if s):
             shard_name = f"shard-{len(self.shards):05d}.safetensors"
             groups, entries, segments = _shard_tensors(shard, shard_name)
             meta = {"format": FORMAT, "shard": shard_name, "groups": json.dumps(groups)}
             write_safetensors(self.staging / shard_name, entries, meta, then=self._in_background(shard_name))
-            for (name, layout, idx, _, _, runs), segment in zip(shard, segments, strict=True):
+            for (name, layout, idx, _, _, runs, _), segment in zip(shard, segments, strict=True):
                 entry = self.files.setdefault(name, {"frames": 0, "segments": []})
                 entry["frames"] += segment["frames"]
                 entry["segments"].append(segment)
@@ -160,7 +160,7 @@ class DatasetWriter:
                 self._ranks.setdefault(name, set()).update(ranks.get(name, ()))
             self.shards[shard_name] = {
                 "frames": sum(x[2].numel() for x in shard),
-                "bytes": sum(_frame_bytes(x[1], x[2], x[3]) for x in shard),
+                "bytes": sum(x[6] for x in shard),
                 "groups": groups,
             }
             written.append(shard_name)
@@ -393,7 +393,7 @@ def _shard_tensors(shard: list, shard_name: str) -> tuple[dict, list, list]:
         for j, leaf in enumerate(layout.leaves):
             column = [x[3][j] for x in items]
             if leaf.ragged:  # values, then offsets: frame i is rows offsets[i] : offsets[i + 1]
-                spans = [r.span() for r in column]
+                spans = [r.span() for r in joined(column)]
                 offsets = offsets_of(torch.cat([n for _, n in spans]))
                 values = [v for v, _ in spans]
                 entries.append((f"{key}.leaf{j}", leaf.dtype, (int(offsets[-1]), *leaf.shape), values))

@@ -66,12 +66,17 @@ class _Chunk:
 
 
 class _Bucket:
-    """Frames of one layout collected by `FrameStore.update`, before they are stacked."""
+    """Frames of one layout collected by `FrameStore.update`, before they are joined into a batch.
 
-    __slots__ = ("idx", "json", "layout", "leaves", "names")
+    ``how`` joins each leaf's frames: ``"stack"`` (one tensor a frame), ``"cat"`` (batches of one:
+    tensors ``[1, ...]`` and `Ragged` columns of one frame), ``"ragged"`` (one tensor ``[N_i, ...]``
+    a frame, of a ragged plain tensor).
+    """
 
-    def __init__(self, layout: Layout) -> None:
-        self.layout = layout
+    __slots__ = ("how", "idx", "json", "layout", "leaves", "names")
+
+    def __init__(self, layout: Layout, how: str = "stack") -> None:
+        self.layout, self.how = layout, how
         self.names: list[str] = []
         self.idx: list = []
         self.leaves: list[list] = [[] for _ in layout.leaves]
@@ -236,17 +241,25 @@ class FrameStore:
         fast: dict[tuple, _Bucket] = {}  # plain tensors by (dtype, shape): no Layout hashed per frame
         other: dict[Layout, _Bucket] = {}
         spec = _ragged_spec(ragged) if ragged else frozenset()
+        plain_ragged = spec is True or "" in spec  # a plain tensor's rows vary: keyed by the shape of a row
         for name, entry in predictions.items():
             for pair in _pairs(name, entry):
                 try:
                     fi, value = pair
                 except (TypeError, ValueError):
                     raise _not_a_pair(name, pair) from None
-                if not spec and type(value) is torch.Tensor and not value.is_nested:
-                    bucket = fast.get((value.dtype, value.shape))
+                if (
+                    type(value) is torch.Tensor
+                    and value.layout is torch.strided
+                    and not value.is_nested
+                    and (not spec or (plain_ragged and value.dim()))
+                ):
+                    key = (value.dtype, value.shape[1:] if spec else value.shape)
+                    bucket = fast.get(key)
                     if bucket is None:
-                        layout = flatten(value, None, f"filename {name!r}")[0]
-                        bucket = fast[(value.dtype, value.shape)] = _Bucket(layout)
+                        where = f"filename {name!r}"
+                        layout = flatten([value], 1, where, spec)[0] if spec else flatten(value, None, where)[0]
+                        bucket = fast[key] = _Bucket(layout, "ragged" if spec else "stack")
                     bucket.names.append(name)
                     bucket.idx.append(fi)
                     bucket.leaves[0].append(value)
@@ -256,7 +269,7 @@ class FrameStore:
                         json = [values[0] for values in json]
                     else:
                         layout, tensors, json = flatten(value, None, f"filename {name!r}")
-                    bucket = other.get(layout) or other.setdefault(layout, _Bucket(layout))
+                    bucket = other.get(layout) or other.setdefault(layout, _Bucket(layout, "cat" if spec else "stack"))
                     bucket.names.append(name)
                     bucket.idx.append(fi)
                     for lst, t in zip(bucket.leaves, tensors, strict=True):
@@ -276,7 +289,7 @@ class FrameStore:
                 if first is not b.layout:
                     raise _mismatch(name, first, b.layout)
         for b, idx in buckets:  # checked: nothing is half-added
-            tensors = [_stack(ts, joined=bool(spec)) for ts in b.leaves]
+            tensors = [_join(ts, b.how) for ts in b.leaves]
             self._append(self._group(b.layout), b.names, idx, tensors, b.json, copy=False)
 
     def _group(self, layout: Layout) -> _Group:
@@ -552,11 +565,11 @@ def _check_filename(name: Any) -> None:
         ) from None
 
 
-def _stack(tensors: list, joined: bool = False) -> Any:
-    """Frames as one batch: stacked, or ``joined`` (batches of one: concatenated, `Ragged` ones too)."""
+def _join(tensors: list, how: str) -> Any:
+    """Frames as one batch, as `_Bucket` ``how`` says."""
     if tensors and isinstance(tensors[0], Ragged):
         return Ragged.cat(tensors)
-    join = torch.cat if joined else torch.stack
+    join = {"stack": torch.stack, "cat": torch.cat, "ragged": Ragged.from_list}[how]
     try:
         return join(tensors)  # on CUDA: one stack there, then one copy to the host
     except RuntimeError:  # frames on several devices
