@@ -20,8 +20,6 @@ Call order, on every rank of the group:
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -33,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._gc import collection_paused
 from .duplicates import DuplicateCounts, DuplicatePolicy
 from .errors import FrameConflictError, PeerLostError, ProtocolError, TdgatherError
 from .frames import Frames
@@ -158,7 +157,7 @@ def gather(
     wait = as_timeout(timeout)
     policy = DuplicatePolicy.of(duplicates)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        with _collection_paused():
+        with collection_paused():
             return _Receive(predictions, 0, {}, policy, start, ragged=ragged).local()
     pg = transport_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
@@ -173,7 +172,7 @@ def gather(
         answers = Answers(channels, heartbeat_interval(wait)).start()
         try:
             grace = wait.total_seconds() / 2
-            with _collection_paused():
+            with collection_paused():
                 return _Receive(predictions, rank, channels, policy, start, grace, ragged).run(answers)
         finally:
             answers.stop()
@@ -181,27 +180,10 @@ def gather(
         call.end()
 
 
-@contextlib.contextmanager
-def _collection_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block (as it was before, after).
-
-    Receiving and placing allocate a few objects per filename; in a process holding many objects
-    (a model, a dataset, the store's batches), that set off full collections costing more than
-    the whole gather of small frames. Nothing here makes cycles.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _send(predictions: Any, ch: Channel, ragged: Any = ()) -> None:
     failure = None
     try:
-        with _collection_paused():
+        with collection_paused():
             packed = pack(as_store(predictions, ragged))
     except Exception as e:  # bad input here: tell dst, so nobody waits for frames that never come
         failure = e

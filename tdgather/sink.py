@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ._dtypes import SAFETENSORS_CODE
+from ._gc import collection_paused
 from ._output import (
     FORMAT,
     INCOMPLETE_NAME,
@@ -129,7 +130,10 @@ class DatasetWriter:
                 `tdgather.Gathered`, a merge's result), whose columnar buffers are written as they are.
             ranks: for each filename, the ranks that sent these frames (named in conflict errors).
         """
-        ranks = ranks or {}
+        with collection_paused():
+            return self._write(frames, ranks or {})
+
+    def _write(self, frames: Any, ranks: Mapping[str, set[int]]) -> list[str]:
         shards: list[list[tuple]] = [[]]
         size = 0
         for name, layout, idx, tensors, json_values, runs in _items(frames):
