@@ -177,7 +177,7 @@ def _rows_of(placement: Placement, chunks: list, j: int, n: int) -> tuple[torch.
     starts = torch.cumsum(rows, 0) - rows
     src_of = torch.repeat_interleave(torch.arange(len(chunks)), rows, output_size=total)
     row_of = torch.arange(total) - torch.repeat_interleave(starts, rows, output_size=total)
-    dest = torch.cat([d[j] for d in placement.leaf_dest])
+    dest = torch.cat([d[j][:] for d in placement.leaf_dest])
     src, row = torch.empty_like(src_of), torch.empty_like(row_of)
     src[dest], row[dest] = src_of, row_of
     runs = 1 + int(((src[1:n] != src[: n - 1]) | (row[1:n] != row[: n - 1] + 1)).sum()) if n else 1

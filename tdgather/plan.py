@@ -135,7 +135,8 @@ class Placement:
     json: list[list]  # N values per JSON leaf
     later_json: list[list]  # D values per JSON leaf
     offsets: list[torch.Tensor | None] = field(default_factory=list)  # per ragged leaf: [N + D + 1]
-    leaf_dest: list[list[torch.Tensor]] = field(default_factory=list)  # per source, per leaf: rows of its buffer
+    # per source, per leaf: the buffer rows its rows go to (a ragged leaf's: `ValuePlaces`, sliced as needed)
+    leaf_dest: list[list[Any]] = field(default_factory=list)
 
     @property
     def num_frames(self) -> int:
@@ -299,7 +300,7 @@ def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
 
 def _ragged_places(
     layout: Layout, parts: list[Part], dest: list[torch.Tensor], dest_all: torch.Tensor, rows: int
-) -> tuple[list, list[list[torch.Tensor]]]:
+) -> tuple[list, list[list[Any]]]:
     """Per ragged leaf, the buffer's offsets; per source and leaf, where its value rows go.
 
     Buffer row ``dest[r]`` holds source row ``r``, so it has that row's length; a source's value
@@ -308,7 +309,7 @@ def _ragged_places(
     if not layout.ragged:
         return [], [[d] * len(layout.leaves) for d in dest]
     offsets: list[torch.Tensor | None] = []
-    leaf_dest: list[list[torch.Tensor]] = [[] for _ in parts]
+    leaf_dest: list[list[Any]] = [[] for _ in parts]
     for j, leaf in enumerate(layout.leaves):
         if not leaf.ragged:
             offsets.append(None)
@@ -320,11 +321,53 @@ def _ragged_places(
         off = offsets_of(lengths)
         offsets.append(off)
         for k, (p, d) in enumerate(zip(parts, dest, strict=True)):
-            leaf_dest[k].append(element_index(off[d], p.lengths[j]))
+            leaf_dest[k].append(ValuePlaces(d, p.lengths[j], off))
     return offsets, leaf_dest
 
 
-_SMALL_CHUNK = 1 << 20  # below this average batch size, chunks are joined and scattered in one kernel
+class ValuePlaces:
+    """Where a source's value rows of one ragged leaf go in the buffer's values, a slice at a time.
+
+    Source frame ``r`` has ``lengths[r]`` rows; they go to rows ``offsets[dest[r]]`` on. Slicing gives
+    the places of value rows ``a .. b-1`` (int64): an index of every value row (8 bytes a row, twice
+    a score's 4) is never held whole, only a piece's at a time.
+    """
+
+    def __init__(self, dest: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor) -> None:
+        self.dest, self.lengths, self.offsets = dest, lengths, offsets
+        self.ends = torch.cumsum(lengths, 0)
+        self.total = int(self.ends[-1]) if lengths.numel() else 0
+
+    def numel(self) -> int:
+        """Value rows of the source."""
+        return self.total
+
+    def __getitem__(self, s: slice) -> torch.Tensor:
+        a, b, _ = s.indices(self.total)
+        if b <= a:
+            return torch.empty(0, dtype=torch.int64)
+        r0 = int(torch.searchsorted(self.ends, a, right=True))  # the frame holding row a
+        r1 = int(torch.searchsorted(self.ends, b - 1, right=True)) + 1  # past the frame holding row b - 1
+        first = int(self.ends[r0] - self.lengths[r0])
+        places = element_index(self.offsets[self.dest[r0:r1]], self.lengths[r0:r1])
+        return places[a - first : b - first]
+
+
+_SMALL_CHUNK = 1 << 20  # below this average batch size, chunks are joined and scattered together,
+_JOINED = 16 << 20  # in joined chunks of about this many bytes
+
+
+def _joined(chunks: list[list[torch.Tensor]], leaves: int) -> list[list[torch.Tensor]]:
+    """Consecutive chunks joined into chunks of about `_JOINED` bytes (so a scatter's index stays small)."""
+    out, run, size = [], [], 0
+    for c in [*chunks, None]:
+        if c is None or (run and size >= _JOINED):
+            out.append([torch.cat([r[j] for r in run]) for j in range(leaves)])
+            run, size = [], 0
+        if c is not None:
+            run.append(c)
+            size += sum(t.numel() * t.element_size() for t in c)
+    return out
 
 
 def scatter_chunks(buffers: list[Any], dests: list[torch.Tensor], chunks: list[list[torch.Tensor]]) -> None:
@@ -335,8 +378,8 @@ def scatter_chunks(buffers: list[Any], dests: list[torch.Tensor], chunks: list[l
     if not chunks or not buffers:
         return
     nbytes = sum(t.numel() * t.element_size() for c in chunks for t in c)
-    if len(chunks) > 8 and nbytes < len(chunks) * _SMALL_CHUNK:  # many small batches: one scatter per leaf
-        chunks = [[torch.cat([c[j] for c in chunks]) for j in range(len(buffers))]]
+    if len(chunks) > 8 and nbytes < len(chunks) * _SMALL_CHUNK:  # many small batches: few scatters per leaf
+        chunks = _joined(chunks, len(buffers))
     runs: dict[int, list] = {}  # leaves that are not ragged share one dest: its runs are found once
     for j, (buf, dest) in enumerate(zip(buffers, dests, strict=True)):
         data = values_of(buf)
