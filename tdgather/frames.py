@@ -267,7 +267,7 @@ def _named(path: Path, ragged: RaggedSpec) -> bool:
 
 def _leaf(v: Any, path: Path, batch: int | None, where: str, ragged: RaggedSpec) -> tuple[Leaf, Any]:
     """One tensor leaf: its `Leaf` and what is stored (the tensor, or a `Ragged`)."""
-    if batch is not None and isinstance(v, torch.Tensor) and v.is_nested:
+    if batch is not None and isinstance(v, torch.Tensor) and (hasattr(v, "_ragged_idx") or v.is_nested):
         v = Ragged.from_nested(v, where)
     if isinstance(v, Ragged):
         _check_tensor(v.values, where)
