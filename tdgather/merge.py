@@ -158,10 +158,15 @@ def _references(placement: Placement, members: list[Part]) -> list[Any]:
         if rows is not None and n * placement.layout.frame_nbytes >= rows[2] * REF_RUN_BYTES:
             for j in fixed:
                 refs[j] = Rows(_sources(chunks, j), rows[0], rows[1], 0, rows[0].numel())
+    frame_runs = None
     for j, leaf in enumerate(leaves):
         if leaf.ragged:
             offsets = placement.offsets[j]
             values = int(offsets[n])  # the result's value rows; later copies follow
+            if frame_runs is None:
+                frame_runs = _frame_runs(placement, members) + len(chunks)
+            if values * leaf.row_nbytes < frame_runs * REF_RUN_BYTES:
+                continue  # its value rows run no longer than its frames: too short, whatever the chunks
             rows = _rows_of(placement, chunks, j, values)
             if rows is not None and values * leaf.row_nbytes >= rows[2] * REF_RUN_BYTES:
                 refs[j] = Ragged(Rows(_sources(chunks, j), rows[0], rows[1], 0, rows[0].numel()), offsets)
@@ -182,6 +187,17 @@ def _rows_of(placement: Placement, chunks: list, j: int, n: int) -> tuple[torch.
     src[dest], row[dest] = src_of, row_of
     runs = 1 + int(((src[1:n] != src[: n - 1]) | (row[1:n] != row[: n - 1] + 1)).sum()) if n else 1
     return src, row, runs
+
+
+def _frame_runs(placement: Placement, members: list[Part]) -> int:
+    """Runs of result frames that come from consecutive rows of one part (chunk bounds not counted)."""
+    n = placement.num_frames
+    part = torch.cat([torch.full_like(d, k) for k, d in enumerate(placement.dest)])
+    row = torch.cat([torch.arange(d.numel()) for d in placement.dest])
+    dest = torch.cat(placement.dest)
+    src, at = torch.empty_like(part), torch.empty_like(row)
+    src[dest], at[dest] = part, row
+    return 1 + int(((src[1:n] != src[: n - 1]) | (at[1:n] != at[: n - 1] + 1)).sum()) if n else 1
 
 
 def _sources(chunks: list, j: int) -> list[torch.Tensor]:
