@@ -231,6 +231,19 @@ def flatten(
     >>> flatten([torch.zeros(2, 4), torch.zeros(0, 4)], 2, "x")[0].describe()
     'float32[*, 4]'
     """
+    out = _flatten(value, batch, where, ragged)
+    if isinstance(ragged, frozenset) and ragged:
+        known = {".".join(leaf.path) for leaf in out[0].leaves}
+        unknown = sorted(ragged - known)
+        if unknown and (batch is None or batch):  # an empty batch has no leaves to match
+            raise ValueError(
+                f"{where}: ragged={sorted(ragged)} names {unknown}, which is not a tensor leaf here; the tensor "
+                f"leaves are {sorted(known) or 'none'} (dotted keys; for a plain tensor pass ragged=True)"
+            )
+    return out
+
+
+def _flatten(value: Any, batch: int | None, where: str, ragged: RaggedSpec) -> tuple[Layout, list[Any], list[Any]]:
     if batch is not None and isinstance(value, LazyStackedTensorDict):
         value = list(value.unbind(0))
     if batch is not None and isinstance(value, list | tuple):

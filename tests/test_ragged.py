@@ -160,6 +160,8 @@ def test_leaves_that_differ_in_more_than_their_first_dim_are_refused():
     assert "ragged=" not in str(e.value)  # a declaration would not help
     with pytest.raises(ValueError, match="named ragged, but it holds one value per frame"):
         tdgather.FrameStore().add(["v"], [0], {"s": torch.ones(1)}, ragged=["s"])
+    with pytest.raises(ValueError, match=r"ragged=\['box'\] names \['box'\], which is not a tensor leaf.*\['boxes'\]"):
+        tdgather.FrameStore().add(["v"], [0], [{"boxes": torch.ones(2, 4)}], ragged=["box"])  # a typo
     with pytest.raises(ValueError, match="ragged in dim 2"):
         nt = torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(2, 4)], layout=torch.jagged)  # [2, 2, j]
         tdgather.FrameStore().add(["v", "v"], [0, 1], nt)
