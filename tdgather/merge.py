@@ -128,13 +128,17 @@ def merge(parts: list[Part], duplicates: Any = "keep", by_reference: bool = Fals
     """
     groups, found = [], DuplicateCounts()
     for placement, members in place(parts):
-        buffers = placement.allocate()  # pages are touched only where rows are copied in
-        refs = _references(placement, members) if by_reference else [None] * len(buffers)
+        refs = _references(placement, members) if by_reference else [None] * len(placement.layout.leaves)
         copied = [j for j, r in enumerate(refs) if r is None]
-        for part, dests in zip(members, placement.leaf_dest, strict=True):
-            chunks = [[c[j] for j in copied] for c in part.chunks]
-            scatter_chunks([buffers[j] for j in copied], [dests[j] for j in copied], chunks)
-        buffers = [b if r is None else r for b, r in zip(buffers, refs, strict=True)]
+        buffers = refs
+        if copied:  # new buffers for the leaves that are copied
+            new = placement.allocate(copied)
+            for part, dests in zip(members, placement.leaf_dest, strict=True):
+                chunks = [[c[j] for j in copied] for c in part.chunks]
+                scatter_chunks(new, [dests[j] for j in copied], chunks)
+            buffers = list(refs)
+            for j, b in zip(copied, new, strict=True):
+                buffers[j] = b
         found += placement.check_duplicates(buffers, duplicates)
         groups.append(placement.group(buffers))
     return Merged(groups, found, ranks_of(parts))

@@ -143,18 +143,22 @@ class Placement:
         """Frames in the result."""
         return self.frame_idx.numel()
 
-    def allocate(self) -> list[Any]:
-        """One buffer per leaf, ``[N + D, *leaf.shape]``: the result, then the later copies.
+    def allocate(self, leaves: list[int] | None = None) -> list[Any]:
+        """One buffer per leaf (or per leaf of ``leaves``), ``[N + D, *leaf.shape]``.
 
-        A ragged leaf's buffer is a `Ragged` of N + D frames over new values.
+        Rows ``0 .. N-1`` are the result, then the later copies. A ragged leaf's buffer is a
+        `Ragged` of N + D frames over new values.
         """
         rows = self.num_frames + self.kept.numel()
-        return [
-            Ragged(torch.empty((int(off[-1]), *leaf.shape), dtype=leaf.dtype), off)
-            if off is not None
-            else torch.empty((rows, *leaf.shape), dtype=leaf.dtype)
-            for leaf, off in zip(self.layout.leaves, self.offsets or [None] * len(self.layout.leaves), strict=True)
-        ]
+        offsets = self.offsets or [None] * len(self.layout.leaves)
+        out = []
+        for j in range(len(self.layout.leaves)) if leaves is None else leaves:
+            leaf, off = self.layout.leaves[j], offsets[j]
+            if off is None:
+                out.append(torch.empty((rows, *leaf.shape), dtype=leaf.dtype))
+            else:
+                out.append(Ragged(torch.empty((int(off[-1]), *leaf.shape), dtype=leaf.dtype), off))
+        return out
 
     def group(self, buffers: list[torch.Tensor]) -> Group:
         """The result: views of the first N rows."""
