@@ -1,10 +1,12 @@
 """The methods compared, each as one call made on every rank of a gloo world.
 
 Every method gets the same rank data: a list of inference batches ``(filenames, frame_idx,
-frames[B, ...])`` from `benchmarks.workloads`, and a dict view of them
-``{filename: [(frame_idx, frame), ...]}`` (built before timing, frames are views of the
-batches). Each method moves every rank's frames to rank 0. Packing (building a TensorDict,
-padding) is inside the timed call, as it is for tdgather.
+frames[B, ...])`` from `benchmarks.workloads` (``frames`` a tensor, or for ``detection`` a dict
+whose ragged leaves are jagged nested tensors ``[B, j, ...]``), and a dict view of them
+``{filename: [(frame_idx, frame), ...]}`` (built before timing, each frame its own copy: a tensor,
+or a dict of tensors). Each method moves every rank's frames to rank 0; the ones that tests check
+return what rank 0 holds. Packing (building a TensorDict, padding) is inside the timed call, as it
+is for tdgather.
 
 - ``raw_p2p``: the physical limit of this transport: each rank sends one pre-sized uint8 buffer
   of its frame bytes with ``send``; rank 0 posts one ``irecv`` per peer into fresh buffers. No packing.
@@ -16,14 +18,17 @@ padding) is inside the timed call, as it is for tdgather.
   (its result is lazy: a file's `Frames` is built on access).
 - ``tdgather_in_hand``: ``tdgather_store``, then every file's `Frames` built.
 - ``tdgather_save``: ``tdgather_store``, then `tdgather.save` to disk (fsynced).
-- ``tdgather_dict``: `tdgather.gather` of the dict.
+- ``tdgather_dict``: `tdgather.gather` of the dict (naming its ragged leaves, ``ragged=``).
 - ``tdgather_collector``: `tdgather.Collector` (streaming, to disk): ``add`` per batch.
 - ``gather_object`` / ``all_gather_object``: torch.distributed's pickling collectives, of the dict.
-- ``td_remote``: tensordict's ``init_remote`` / ``from_remote_init``, one TensorDict per rank.
+- ``td_remote``: tensordict's ``init_remote`` / ``from_remote_init``, one TensorDict per rank
+  (jagged leaves stay jagged: tensordict sends their values and offsets).
 - ``td_gather_and_stack``: tensordict's ``gather_and_stack``; only when every sender holds the same
-  number of frames of one layout.
+  number of frames of one fixed shape.
 - ``pad_all_gather``: the torchmetrics / accelerate pattern, written inline: all-gather the sizes,
-  pad each tensor to the largest, ``all_gather``, trim.
+  pad each tensor to the largest, ``all_gather``, trim; rank 0 keeps what it gathered. A ragged
+  leaf is first padded to the largest ``N_i`` on any rank (``all_reduce`` MAX, then
+  ``to_padded_tensor``), and the file ids, frame_idx and every ``N_i`` are gathered with it.
 - ``disk_raw``: the disk's limit: rank 0 writes the same total bytes sequentially and fsyncs.
 - ``disk_writeback``: the same, starting writeback of each 8 MiB block as it is written
   (``sync_file_range``), so the final fsync waits for less.
@@ -34,7 +39,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -43,14 +48,14 @@ from tensordict import TensorDict
 
 import tdgather
 
-__all__ = ["METHODS", "RankData", "applicable"]
+__all__ = ["METHODS", "RankData", "skip_reason"]
 
 
 @dataclass
 class RankData:
     """One rank's share of a workload, and where a method may write."""
 
-    batches: list[tuple[list[str], torch.Tensor, torch.Tensor]]
+    batches: list[tuple[list[str], torch.Tensor, torch.Tensor | dict]]
     nbytes: int
     sizes: list[int]  # frame bytes per rank
     scratch: str
@@ -60,10 +65,11 @@ class RankData:
     calls: int = 0  # Collector runs so far: the same count on every rank, so the same path
     token: int = 0  # chosen by rank 0, the same on every rank
     written: list[str] = field(default_factory=list)  # outputs to delete after the call, untimed
+    ragged: tuple[str, ...] = ()  # the frames' jagged leaves (detection): tdgather's ragged=, pad_all_gather's path
 
     @staticmethod
     def build(batches: list, scratch: str) -> RankData:
-        nbytes = sum(f.numel() * f.element_size() for _, _, f in batches)
+        nbytes = sum(_nbytes(t) for _, _, f in batches for t in (f.values() if isinstance(f, dict) else [f]))
         sizes = torch.zeros(dist.get_world_size(), dtype=torch.int64)
         sizes[dist.get_rank()] = nbytes
         dist.all_reduce(sizes)
@@ -72,9 +78,25 @@ class RankData:
         as_dict: dict = {}
         for names, idx, frames in batches:
             # per-frame copies: a view would make pickle serialise the whole batch's storage with each frame
-            for name, i, frame in zip(names, idx.tolist(), frames, strict=True):
-                as_dict.setdefault(name, []).append((i, frame.clone()))
-        return RankData(batches, nbytes, sizes.tolist(), scratch, as_dict, token=int(token))
+            for name, i, frame in zip(names, idx.tolist(), _unbind(frames), strict=True):
+                as_dict.setdefault(name, []).append((i, frame))
+        first = batches[0][2] if batches else None
+        ragged = tuple(k for k, v in first.items() if v.is_nested) if isinstance(first, dict) else ()
+        return RankData(batches, nbytes, sizes.tolist(), scratch, as_dict, token=int(token), ragged=ragged)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """A tensor's bytes; a jagged nested tensor's are its values' (no padding, no offsets)."""
+    t = t.values() if t.is_nested else t
+    return t.numel() * t.element_size()
+
+
+def _unbind(frames: torch.Tensor | dict) -> list:
+    """A batch's frames, each its own copy: a tensor, or a dict of tensors (a jagged leaf's frame is ``[N_i, ...]``)."""
+    if not isinstance(frames, dict):
+        return [f.clone() for f in frames]
+    leaves = {k: v.unbind() for k, v in frames.items()}
+    return [{k: rows[j].clone() for k, rows in leaves.items()} for j in range(len(next(iter(leaves.values()))))]
 
 
 def raw_p2p(d: RankData) -> None:
@@ -105,17 +127,17 @@ def raw_p2p_warm(d: RankData) -> None:
         dist.send(d._raw, dst=0)
 
 
-def tdgather_store(d: RankData) -> None:
-    _gathered(d)
+def tdgather_store(d: RankData) -> tdgather.Gathered | None:
+    return _gathered(d)
 
 
-def tdgather_gather(d: RankData) -> None:
+def tdgather_gather(d: RankData) -> tdgather.Gathered | None:
     """gather() alone: of a store filled before the timing (``copy=False``), as raw_p2p sends a buffer made before."""
     if not hasattr(d, "_store"):
         d._store = tdgather.FrameStore(copy=False)
         for names, idx, frames in d.batches:
             d._store.add(names, idx, frames)
-    tdgather.gather(d._store)
+    return tdgather.gather(d._store)
 
 
 def _gathered(d: RankData):
@@ -143,7 +165,7 @@ def tdgather_save(d: RankData) -> None:
 
 
 def tdgather_dict(d: RankData) -> None:
-    tdgather.gather(d.as_dict)
+    tdgather.gather(d.as_dict, ragged=d.ragged)
 
 
 def tdgather_collector(d: RankData) -> None:
@@ -156,10 +178,11 @@ def tdgather_collector(d: RankData) -> None:
         d.last_add = time.time()
 
 
-def gather_object(d: RankData) -> None:
+def gather_object(d: RankData) -> list | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     out = [None] * world if rank == 0 else None
     dist.gather_object(d.as_dict, out, dst=0)
+    return out
 
 
 def all_gather_object(d: RankData) -> None:
@@ -167,15 +190,23 @@ def all_gather_object(d: RankData) -> None:
     dist.all_gather_object(out, d.as_dict)
 
 
+def _file_id(name: str) -> int:
+    """The integer in a workload's filename (``large_00012.mp4``, ``video_0012.mp4``): files as numbers, no names."""
+    return int(name.split("_")[-1].split(".")[0])
+
+
 def _rank_tensordict(d: RankData) -> TensorDict:
-    """One TensorDict per rank: per layout, frames, frame_idx and integer file ids (no names)."""
+    """One TensorDict per rank: per layout, frames (a dict's as a TensorDict), frame_idx and integer file ids."""
     groups: dict[str, list] = {}
     for names, idx, frames in d.batches:
-        key = f"{str(frames.dtype).removeprefix('torch.')}_{'x'.join(map(str, frames.shape[1:]))}"
+        if isinstance(frames, dict):  # one layout: tensordict's cat joins jagged leaves as jagged
+            key, frames = "dict", TensorDict(frames, batch_size=[len(names)])
+        else:
+            key = f"{str(frames.dtype).removeprefix('torch.')}_{'x'.join(map(str, frames.shape[1:]))}"
         groups.setdefault(key, []).append((names, idx, frames))
     out = {}
     for key, items in sorted(groups.items()):
-        files = torch.tensor([int(n.split("_")[-1].split(".")[0]) for names, _, _ in items for n in names])
+        files = torch.tensor([_file_id(n) for names, _, _ in items for n in names])
         frames = torch.cat([f for _, _, f in items])
         out[key] = TensorDict(
             {"frames": frames, "frame_idx": torch.cat([i for _, i, _ in items]), "file": files},
@@ -214,31 +245,64 @@ def td_gather_and_stack(d: RankData) -> None:
         td.gather_and_stack(dst=0)
 
 
-def pad_all_gather(d: RankData) -> None:
-    """torchmetrics' gather_all_tensors / accelerate's pad_across_processes + gather, per layout."""
-    world = dist.get_world_size()
+def pad_all_gather(d: RankData) -> dict[object, list[torch.Tensor]]:
+    """torchmetrics' gather_all_tensors / accelerate's pad_across_processes + gather, per column.
+
+    Returns ``{column: [each rank's rows]}``, which every rank holds (as ``all_gather`` gives).
+    """
+    columns = _ragged_columns(d) if d.ragged else _layout_columns(d)
+    return {key: _all_gather_padded(t) for key, t in columns}
+
+
+def _layout_columns(d: RankData) -> Iterator[tuple[object, torch.Tensor]]:
+    """Per layout on any rank, ``((dtype, shape, "frames"), frames)`` and ``((dtype, shape, "frame_idx"), idx)``."""
     layouts: dict[tuple, list] = {}
     for _, idx, frames in d.batches:
         layouts.setdefault((frames.dtype, tuple(frames.shape[1:])), []).append((idx, frames))
-    keys = [None] * world
+    keys = [None] * dist.get_world_size()
     dist.all_gather_object(keys, sorted(layouts, key=str))  # which layouts exist anywhere (tiny)
-    every = sorted({k for ks in keys for k in ks}, key=str)
-    for dtype, shape in every:
+    for dtype, shape in sorted({k for ks in keys for k in ks}, key=str):
         items = layouts.get((dtype, shape), [])
-        local = torch.cat([f for _, f in items]) if items else torch.empty((0, *shape), dtype=dtype)
+        frames = torch.cat([f for _, f in items]) if items else torch.empty((0, *shape), dtype=dtype)
         idx = torch.cat([i for i, _ in items]) if items else torch.empty(0, dtype=torch.int64)
-        for t in (local, idx):
-            size = torch.tensor([t.shape[0]])
-            sizes = [torch.zeros_like(size) for _ in range(world)]
-            dist.all_gather(sizes, size)  # 1. sizes
-            most = int(max(s.item() for s in sizes))
-            padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype)  # 2. pad to the largest
-            padded[: t.shape[0]] = t
-            row = math.prod(t.shape[1:]) * t.element_size()
-            padded = padded.reshape(-1).view(torch.uint8).view(most, row)  # gloo takes no bf16/bool: bytes
-            out = [torch.empty_like(padded) for _ in range(world)]
-            dist.all_gather(out, padded)  # 3. gather
-            [o[: int(s)] for o, s in zip(out, sizes, strict=True)]  # 4. trim
+        yield (dtype, shape, "frames"), frames
+        yield (dtype, shape, "frame_idx"), idx
+
+
+def _ragged_columns(d: RankData) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every leaf, a ragged one padded to the largest ``N_i`` on any rank, then ``"ids"``: int64 rows of (file id,
+    frame_idx, ``N_i`` of each ragged leaf in ``d.ragged``'s order). Every rank must hold frames."""
+    lengths = [torch.cat([v[k].offsets().diff() for _, _, v in d.batches]) for k in d.ragged]
+    most = torch.stack([n.max() for n in lengths])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)  # the largest N_i anywhere, per ragged leaf
+    for k in d.batches[0][2]:
+        if k in d.ragged:
+            width = int(most[d.ragged.index(k)])
+            pad = [
+                torch.nested.to_padded_tensor(v[k], 0, output_size=(len(names), width, *v[k].shape[2:]))
+                for names, _, v in d.batches
+            ]
+            yield k, torch.cat(pad)
+        else:
+            yield k, torch.cat([v[k] for _, _, v in d.batches])
+    files = torch.tensor([_file_id(n) for names, _, _ in d.batches for n in names])
+    yield "ids", torch.stack([files, torch.cat([i for _, i, _ in d.batches]), *lengths], 1)
+
+
+def _all_gather_padded(t: torch.Tensor) -> list[torch.Tensor]:
+    """Each rank's ``t`` (its first dims may differ): sizes gathered, padded to the largest, all_gather, trimmed."""
+    world = dist.get_world_size()
+    size = torch.tensor([t.shape[0]])
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)  # 1. sizes
+    most = int(max(s.item() for s in sizes))
+    padded = torch.zeros((most, *t.shape[1:]), dtype=t.dtype)  # 2. pad to the largest
+    padded[: t.shape[0]] = t
+    row = math.prod(t.shape[1:]) * t.element_size()
+    padded = padded.reshape(-1).view(torch.uint8).view(most, row)  # gloo takes no bf16/bool: bytes
+    out = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded)  # 3. gather
+    return [o[: int(s)].view(t.dtype).view(int(s), *t.shape[1:]) for o, s in zip(out, sizes, strict=True)]  # 4. trim
 
 
 def disk_raw(d: RankData) -> None:
@@ -293,7 +357,7 @@ def _sync_file_range() -> Callable[[int, int, int], None] | None:
     return lambda fd, offset, n: fn(fd, offset, n, 2)
 
 
-METHODS: dict[str, Callable[[RankData], None]] = {
+METHODS: dict[str, Callable[[RankData], object]] = {
     "raw_p2p": raw_p2p,
     "raw_p2p_warm": raw_p2p_warm,
     "tdgather_gather": tdgather_gather,
@@ -312,8 +376,8 @@ METHODS: dict[str, Callable[[RankData], None]] = {
 }
 
 
-def applicable(method: str, workload: str) -> bool:
-    """gather_and_stack needs every sender to hold the same number of frames of one layout."""
-    if method == "td_gather_and_stack":
-        return workload in ("large", "large_whole", "tiny")
-    return True
+def skip_reason(method: str, workload: str) -> str | None:
+    """Why a method does not run on a workload, for the report; None where it runs."""
+    if method == "td_gather_and_stack" and workload not in ("large", "large_whole", "tiny"):
+        return "gather_and_stack needs every sender to hold the same number of frames of one fixed shape"
+    return None

@@ -7,7 +7,10 @@ Frames are assigned to ranks by global position: round-robin, as
 - ``large_whole``: the same frames, each video on one rank (a sampler over videos);
 - ``tiny``: 400k frames of 16 float32;
 - ``skewed``: 3x32x32 float32 frames, 246 MB, rank 1 holds 70%, the last rank none;
-- ``mixed``: shapes and dtypes (float32, bfloat16, uint8, bool, float16, int16) differ by filename.
+- ``mixed``: shapes and dtypes (float32, bfloat16, uint8, bool, float16, int16) differ by filename;
+- ``detection``: a detector's output, from `benchmarks.detection`: per frame 0-50 ``boxes`` float32
+  ``[N_i, 4]``, ``scores`` float32 ``[N_i]`` and ``labels`` int64 ``[N_i]`` (jagged nested tensors
+  ``[B, j, ...]``), and ``feat`` float32 ``[256]``; round-robin, in batches of 32 frames, each a dict.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+
+from . import detection
 
 __all__ = ["WORKLOADS", "batches", "describe"]
 
@@ -25,6 +30,7 @@ WORKLOADS = {
     "tiny": (4_000, 100),
     "skewed": (100, 200),
     "mixed": (600, 20),
+    "detection": (100, detection.PER_VIDEO),  # 17 MB: gather_object takes ~3.5 s a call on 2 cores
 }
 _MIXED = [
     (torch.float32, (3, 32, 32)),
@@ -71,13 +77,17 @@ def _owner(name: str, positions: torch.Tensor, total: int, world: int, per_file:
 
 def batches(
     name: str, rank: int, world: int, batch: int = 64, scale: float = 1.0
-) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor]]:
+) -> Iterator[tuple[list[str], torch.Tensor, torch.Tensor | dict]]:
     """Yield rank ``rank``'s frames of a workload in inference-sized batches, grouped by layout.
 
-    ``scale`` shrinks the number of filenames (the ``--quick`` preset uses 0.1).
+    ``scale`` shrinks the number of filenames (the ``--quick`` preset uses 0.1). ``detection``
+    yields its own batches of 32 frames (``batch`` is not used), their frames a dict.
     """
     files, per_file = WORKLOADS[name]
     files = max(1, round(files * scale))
+    if name == "detection":
+        yield from detection.batches(files, rank, world)
+        return
     total = files * per_file
     positions = torch.arange(total)
     mine = positions[_owner(name, positions, total, world, per_file) == rank]
@@ -104,6 +114,8 @@ def describe(name: str, scale: float = 1.0) -> str:
     files = max(1, round(files * scale))
     if name == "mixed":
         return f"{files} filenames x {per_file} frames; {len(_MIXED)} dtype/shape kinds by filename"
+    if name == "detection":
+        return f"{files * per_file} frames of 0-50 boxes, scores, labels and a float32[{detection.FEAT}] embedding"
     dtype, shape = _spec(name, 0)
     nbytes = files * per_file * torch.Size(shape).numel() * dtype.itemsize
     return f"{files * per_file} frames {str(dtype).removeprefix('torch.')}{list(shape)}, {nbytes / 1e6:.0f} MB"

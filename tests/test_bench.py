@@ -1,5 +1,8 @@
 """The benchmark suite runs and reports (figures are measured there, never asserted here)."""
 
+import pytest
+import torch
+
 from benchmarks.suite import main
 
 
@@ -51,3 +54,60 @@ def test_detection_smoke(tmp_path):
     # bytes, not time: tdgather sends the frames plus its index and headers, no padding
     assert out["frame_bytes"] < rows["tdgather_gather"][1] < 1.1 * out["frame_bytes"]
     assert rows["pad_all_gather"][1] > rows["tdgather_gather"][1]
+
+
+@pytest.mark.world
+def test_suite_detection_data_exact():
+    """The detection workload through tdgather_store and pad_all_gather: rank 0 holds every frame, bit for bit."""
+    from tdgather.launch import run_local_world
+
+    out = run_local_world(_detection_rank, 2, 0.02, timeout=300)[0]
+    assert out["frames"] == 200 and out["empty"] > 0  # 2 videos; frames with no box are among them
+    assert out["wrong"] == {"tdgather_store": 0, "pad_all_gather": 0}
+
+
+def _detection_rank(scale: float) -> dict | None:
+    """Every rank gathers its detection batches with both methods; rank 0 counts the frames it got wrong."""
+    import torch.distributed as dist
+
+    from benchmarks.methods import METHODS, RankData, _file_id, _unbind
+    from benchmarks.workloads import batches
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = RankData.build(list(batches("detection", rank, world, scale=scale)), scratch="")
+    gathered = METHODS["tdgather_store"](data)
+    padded = METHODS["pad_all_gather"](data)
+    if rank != 0:
+        return None
+    expected = {
+        (_file_id(name), i): frame
+        for r in range(world)
+        for names, idx, frames in batches("detection", r, world, scale=scale)
+        for name, i, frame in zip(names, idx.tolist(), _unbind(frames), strict=True)
+    }
+    by_tdgather = {}
+    for name, f in gathered.items():
+        frames = _unbind({k: f.frames[k] for k in f.frames.keys()})
+        by_tdgather |= {(_file_id(name), i): frame for i, frame in zip(f.frame_idx.tolist(), frames, strict=True)}
+    cols = {k: torch.cat(rows) for k, rows in padded.items()}
+    ids = cols.pop("ids").tolist()  # (file id, frame_idx, N_i of each ragged leaf)
+    by_padding = {
+        (file, i): {k: v[row, : n[data.ragged.index(k)]] if k in data.ragged else v[row] for k, v in cols.items()}
+        for row, (file, i, *n) in enumerate(ids)
+    }
+    return {
+        "frames": len(expected),
+        "empty": sum(f["boxes"].shape[0] == 0 for f in expected.values()),
+        "wrong": {"tdgather_store": _wrong(by_tdgather, expected), "pad_all_gather": _wrong(by_padding, expected)},
+    }
+
+
+def _wrong(got: dict, expected: dict) -> int:
+    """Frames missing, extra, or not bit-exact in every leaf (dtype and shape included)."""
+    same = [
+        k
+        for k in got.keys() & expected.keys()
+        if got[k].keys() == expected[k].keys()
+        and all(got[k][j].dtype == v.dtype and torch.equal(got[k][j], v) for j, v in expected[k].items())
+    ]
+    return len(got.keys() | expected.keys()) - len(same)
