@@ -253,8 +253,13 @@ def check_group(f: Any, c: Check, group: str, layout: Layout) -> int:
     def tensor(name: str, dtype: torch.dtype, shape: tuple = (), rows: int | None = None) -> Any:
         got = f.get_slice(name) if name in names else None
         code, dims = (got.get_dtype(), tuple(got.get_shape())) if got is not None else (None, ())
-        want = (rows if rows is not None else dims[0] if dims else "N", *shape)
-        if code != SAFETENSORS_CODE[dtype] or dims != want:
+        want = (rows if rows is not None else "N", *shape)  # N: any number of rows
+        if (
+            code != SAFETENSORS_CODE[dtype]
+            or len(dims) != len(want)
+            or dims[1:] != shape
+            or rows not in (None, *dims[:1])
+        ):
             has = "no such tensor" if got is None else f"{_DTYPE_OF_CODE.get(code, code)}{list(dims)}"
             raise c.fail(name, f"{dtype_name(dtype)}[{', '.join(map(str, want))}]", has)
         return got

@@ -143,8 +143,9 @@ def compare(layout: Layout, new: list[Any], old: list[Any], new_json: list, old_
         if isinstance(a, Ragged):
             same = a.lengths == b.lengths
             for i in (~same).nonzero().flatten().tolist():
-                n, m = int(a.lengths[i]), int(b.lengths[i])
-                json_diff.setdefault(i, f"key {'.'.join(leaf.path) or '<tensor>'!r}: {n} rows against {m}")
+                kept, copy = int(b.lengths[i]), int(a.lengths[i])  # described as the errors name ranks: kept first
+                rows = f"{kept} row{'' if kept == 1 else 's'} against {copy}"
+                json_diff.setdefault(i, f"key {'.'.join(leaf.path) or '<tensor>'!r}: {rows}")
             rows = same.nonzero().flatten()
             e, d, c = _ragged_difference(a.index_select(0, rows), b.index_select(0, rows), policy)
             exact[rows] &= e

@@ -164,13 +164,15 @@ def ragged_hint(a: Layout, b: Layout) -> str:
         [x.path for x in b.leaves],
     ):
         return ""
-    names = []
+    names, differ = [], False
     for x, y in zip(a.leaves, b.leaves, strict=True):
         if x != y:
             if row(x) is None or row(x) != row(y):
                 return ""
+            differ = True
+        if x != y or x.ragged:  # with those ragged already: passing the hint adds, never swaps
             names.append(".".join(x.path))
-    if not names:
+    if not differ:
         return ""
     spec = True if a.kind == "tensor" else names
     return (
@@ -199,6 +201,13 @@ def _check_tensor(t: torch.Tensor, where: str) -> None:
 
 
 def _check_json(value: Any, where: str) -> None:
+    if isinstance(value, torch.Tensor):  # a list of per-frame tensors under a key of a batch dict
+        raise UnsupportedValueError(
+            f"{where}: got a list holding tensors; a list under a key of a batch holds one JSON value per "
+            "frame. Give per-frame tensors as a list of per-frame dicts ([{'boxes': t0}, {'boxes': t1}, ...]), "
+            "or as one tensor: stacked, or a jagged nested tensor when their first dims differ "
+            "(torch.nested.as_nested_tensor([t0, t1, ...], layout=torch.jagged))"
+        )
     if not isinstance(value, _JSON_SCALARS) or (isinstance(value, float) and not math.isfinite(value)):
         raise UnsupportedValueError(
             f"{where}: expected a tensor or a plain JSON value (str, int, float, bool, None), "
@@ -321,6 +330,8 @@ def _flatten_list(items: list | tuple, batch: int, where: str, ragged: RaggedSpe
     leaves, tensors = [], []
     for j, leaf in enumerate(first.leaves):
         ts = [p[1][j] for p in per]
+        if not leaf.shape and ragged is not True and _named(leaf.path, ragged):
+            raise ValueError(f"{where}: {'.'.join(leaf.path)!r} is named ragged, but it holds one value per frame")
         if leaf.shape and (_named(leaf.path, ragged) or any(t.shape[0] != leaf.shape[0] for t in ts)):
             leaves.append(Leaf(leaf.path, leaf.dtype, leaf.shape[1:], True))
             tensors.append(Ragged.from_list(ts))

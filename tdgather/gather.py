@@ -37,7 +37,7 @@ from .errors import FrameConflictError, PeerLostError, ProtocolError, TdgatherEr
 from .frames import Frames
 from .merge import merge
 from .pack import pack
-from .plan import Group, Part, Placement, place, scatter_chunks
+from .plan import Group, Mismatches, Part, Placement, keep_first_layouts, place, scatter_chunks
 from .protocol import Joiner, as_bytes, end_stream, expect_done, read_frames, read_pieces, send_frames
 from .ragged import values_of
 from .rows import run_start, scatter_rows
@@ -234,6 +234,7 @@ class _Receive:
         # (rank, id(part)) -> placement, its rows' places, each leaf's row places (`Placement.leaf_dest`)
         self.dest: dict[tuple[int, int], tuple[int, torch.Tensor, list[torch.Tensor]]] = {}
         self.discard = False  # placing failed: read the pieces only to keep the streams in step
+        self.mismatches: Mismatches = {}  # filenames sent with two layouts: the first rank's is kept
         # a frame index still missing after this long: every peer's pieces are received as they
         # come and merged at the end, so that a straggler's timeout (which closes every gloo pair
         # of this rank) cannot cost the others' frames
@@ -285,6 +286,8 @@ class _Receive:
                 result = self._result()
             except Exception as e:
                 self.errors.setdefault(-1, e)
+        if self.mismatches:
+            self.errors.setdefault(-1, next(iter(self.mismatches.values()))[1])
         failure = self.errors[min(self.errors, key=lambda r: (r < 0, r))] if self.errors else None
         if failure is None:
             answers.answer_all(Kind.DONE, lambda peer: {"frames": sum(p.num_frames for p in self.parts[peer])})
@@ -329,7 +332,7 @@ class _Receive:
 
     def _place(self) -> None:
         parts = [p for r in sorted(self.parts) for p in self.parts[r]]  # lowest rank first
-        self.placements = place(parts)
+        self.placements = place(parts, self.mismatches)
         for k, (placement, members) in enumerate(self.placements):
             self.buffers.append(placement.allocate())
             self.landed.append(torch.zeros(placement.num_frames + placement.kept.numel(), dtype=torch.bool))
@@ -345,7 +348,8 @@ class _Receive:
 
     def _result(self) -> Gathered:
         if self.late:
-            merged = merge([p for r in sorted(self.parts) for p in self.parts[r]], self.policy)  # lowest rank first
+            parts = [p for r in sorted(self.parts) for p in self.parts[r]]  # lowest rank first
+            merged = merge(parts, self.policy, mismatches=self.mismatches)
             return self._gathered(merged.groups, merged.duplicates)
         groups, found = [], DuplicateCounts()
         for (placement, _), buffers, landed in zip(self.placements, self.buffers, self.landed, strict=True):
@@ -354,7 +358,7 @@ class _Receive:
                 groups.append(placement.group(buffers))
             else:  # a peer failed part-way: what landed, one copy per frame
                 groups.append(placement.salvage(buffers, landed))
-        return self._gathered(groups, found)
+        return self._gathered(keep_first_layouts(groups, self.mismatches), found)
 
     def _gathered(self, groups: list[Group], found: DuplicateCounts) -> Gathered:
         per_rank = {r: sum(p.num_frames for p in ps) for r, ps in self.parts.items()}

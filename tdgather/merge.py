@@ -22,7 +22,7 @@ import torch
 
 from .duplicates import DuplicateCounts
 from .frames import Frames
-from .plan import Group, Part, Placement, place, scatter_chunks
+from .plan import Group, Mismatches, Part, Placement, keep_first_layouts, place, scatter_chunks
 from .ragged import Ragged
 
 __all__ = ["REF_RUN_BYTES", "Merged", "Rows", "merge"]
@@ -113,7 +113,9 @@ class Merged:
         return dict(sorted(out.items()))
 
 
-def merge(parts: list[Part], duplicates: Any = "keep", by_reference: bool = False) -> Merged:
+def merge(
+    parts: list[Part], duplicates: Any = "keep", by_reference: bool = False, mismatches: Mismatches | None = None
+) -> Merged:
     """Merge parts whose payloads are in memory, in the order given (the first copy of a frame is kept).
 
     Args:
@@ -121,13 +123,15 @@ def merge(parts: list[Part], duplicates: Any = "keep", by_reference: bool = Fals
         duplicates: the `tdgather.duplicates` policy.
         by_reference: where rows come in long runs, leave them where they are (leaves are `Rows`);
             the parts must then stay unchanged while the result is used.
+        mismatches: go on past a filename sent with two layouts: keep the frames of the first
+            part's layout, and record the filename and its error here (`tdgather.plan.place`).
 
     Raises:
-        ShapeMismatchError: two ranks sent one filename with different layouts.
+        ShapeMismatchError: two ranks sent one filename with different layouts (without ``mismatches``).
         DuplicateFrameError: copies of one ``(filename, frame_idx)`` that the policy refuses.
     """
     groups, found = [], DuplicateCounts()
-    for placement, members in place(parts):
+    for placement, members in place(parts, mismatches):
         refs = _references(placement, members) if by_reference else [None] * len(placement.layout.leaves)
         copied = [j for j, r in enumerate(refs) if r is None]
         buffers = refs
@@ -141,6 +145,8 @@ def merge(parts: list[Part], duplicates: Any = "keep", by_reference: bool = Fals
                 buffers[j] = b
         found += placement.check_duplicates(buffers, duplicates)
         groups.append(placement.group(buffers))
+    if mismatches:
+        groups = keep_first_layouts(groups, mismatches)
     return Merged(groups, found, ranks_of(parts))
 
 

@@ -32,7 +32,9 @@ from .frames import Frames, Layout, ragged_hint, rebuild
 from .ragged import Ragged, element_index, offsets_of, values_of
 from .rows import run_start, scatter_rows
 
-__all__ = ["Group", "Part", "Placement", "place", "scatter_chunks"]
+__all__ = ["Group", "Mismatches", "Part", "Placement", "keep_first_layouts", "place", "scatter_chunks"]
+
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass
@@ -105,6 +107,20 @@ class Group:
     def num_frames(self) -> int:
         """Frames in the group."""
         return self.frame_idx.numel()
+
+    def without(self, names: list[str]) -> Group:
+        """A copy of the group without the frames of ``names``."""
+        gone = set(names)
+        keep = [i for i, name in enumerate(self.files) if name not in gone]
+        rows = torch.cat([torch.arange(self.starts[i], self.starts[i] + self.counts[i]) for i in keep] or [_NO_ROWS])
+        return Group(
+            self.layout,
+            [self.files[i] for i in keep],
+            [self.counts[i] for i in keep],
+            self.frame_idx[rows],
+            [t.index_select(0, rows) for t in self.leaves],
+            [[values[k] for k in rows.tolist()] for values in self.json],
+        )
 
     def frames(self, i: int) -> Frames:
         """The `Frames` of ``files[i]``: views of the group's buffers."""
@@ -212,11 +228,17 @@ class Placement:
         return verdict.counts
 
 
-def place(parts: list[Part]) -> list[tuple[Placement, list[Part]]]:
+# filename -> (the layout kept, the error that names the other): what `place` and
+# `tdgather.sink.DatasetWriter.write` report instead of raising, when asked to go on
+Mismatches = dict[str, tuple[Layout, ShapeMismatchError]]
+
+
+def place(parts: list[Part], mismatches: Mismatches | None = None) -> list[tuple[Placement, list[Part]]]:
     """Plan every layout of ``parts`` (lowest rank first); return each placement with its parts.
 
-    Raises:
-        ShapeMismatchError: a filename comes with two layouts (from one rank or two).
+    A filename that comes with two layouts (from one rank or two) raises `ShapeMismatchError`;
+    given ``mismatches``, it is recorded there instead, with the layout of the first part that
+    has it, and placed in both: `keep_first_layouts` then drops the frames of the other.
     """
     by_layout: dict[Layout, list[Part]] = {}
     owner: dict[str, tuple[Layout, int]] = {}
@@ -225,14 +247,26 @@ def place(parts: list[Part]) -> list[tuple[Placement, list[Part]]]:
             continue
         for name in part.names:
             layout, rank = owner.setdefault(name, (part.layout, part.rank))
-            if layout != part.layout:
-                raise ShapeMismatchError(
+            if layout != part.layout and name not in (mismatches or ()):
+                error = ShapeMismatchError(
                     f"filename {name!r}: rank {rank} sent {layout.describe()} but rank {part.rank} sent "
                     f"{part.layout.describe()} (ranks {sorted({rank, part.rank})}); every frame of a filename "
                     f"must have the same structure, shape and dtype{ragged_hint(layout, part.layout)}"
                 )
+                if mismatches is None:
+                    raise error
+                mismatches[name] = (layout, error)
         by_layout.setdefault(part.layout, []).append(part)
     return [(_place_layout(layout, group), group) for layout, group in by_layout.items()]
+
+
+def keep_first_layouts(groups: list[Group], mismatches: Mismatches) -> list[Group]:
+    """``groups`` without the frames of a mismatched filename in any layout but the one kept."""
+    out = []
+    for g in groups:
+        drop = [name for name in g.files if name in mismatches and mismatches[name][0] != g.layout]
+        out.append(g.without(drop) if drop else g)
+    return out
 
 
 def _place_layout(layout: Layout, parts: list[Part]) -> Placement:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .errors import ShapeMismatchError
 from .rows import scatter_rows
 
 __all__ = ["Ragged", "element_index", "joined", "offsets_of", "padded", "values_of"]
@@ -54,7 +55,15 @@ class Ragged:
     def from_nested(nt: torch.Tensor, where: str) -> Ragged:
         """A nested tensor ``[B, j, *shape]`` (jagged, or strided), without a copy where it is jagged and packed."""
         if getattr(nt, "_ragged_idx", None) is None:  # not jagged (asking .layout costs a __torch_function__)
-            return Ragged.from_list(list(nt.unbind()))
+            frames = list(nt.unbind())
+            rows = {tuple(t.shape[1:]) for t in frames}
+            if len(rows) > 1 or any(t.dim() == 0 for t in frames):
+                raise ShapeMismatchError(
+                    f"{where}: a nested tensor whose frames differ in more than their first dim (frame shapes "
+                    f"{sorted({tuple(t.shape) for t in frames})[:4]}); only the first dim of a frame may vary: "
+                    "pad or crop the other dims, or split the leaf"
+                )
+            return Ragged.from_list(frames)
         if nt._ragged_idx != 1:
             raise ValueError(
                 f"{where}: expected a nested tensor ragged in dim 1 (each frame's first dim), got one ragged in "
@@ -194,8 +203,14 @@ def padded(x: Any, value: float | bool = 0) -> tuple[torch.Tensor, torch.Tensor]
     >>> p.tolist(), n.tolist()
     ([[0.0, 1.0], [-1.0, -1.0], [2.0, -1.0]], [2, 0, 1])
     """
+    if not (isinstance(x, Ragged) or (isinstance(x, torch.Tensor) and x.is_nested)):
+        raise TypeError(
+            f"padded(): expected a ragged leaf, a jagged nested tensor (as tdgather returns it), got "
+            f"{type(x).__name__}; a list of tensors pads with torch.nn.utils.rnn.pad_sequence"
+        )
     r = x if isinstance(x, Ragged) else Ragged.from_nested(x, "padded()")
     values, lengths = r.span()
+    _check_fill(value, values.dtype)
     t = lengths.numel()
     width = int(lengths.max()) if t else 0
     out = torch.full((t, width, *values.shape[1:]), value, dtype=values.dtype, device=values.device)
@@ -204,3 +219,18 @@ def padded(x: Any, value: float | bool = 0) -> tuple[torch.Tensor, torch.Tensor]
     if values.shape[0]:
         scatter_rows(flat, element_index(starts, lengths).to(values.device), values)
     return out, lengths
+
+
+def _check_fill(value: Any, dtype: torch.dtype) -> None:
+    """Refuse a padding value that ``dtype`` cannot hold (torch would wrap it round, or fail deep inside)."""
+    number = isinstance(value, (bool, int, float))
+    if dtype.is_floating_point or dtype.is_complex:
+        ok, want = number, "a number"
+    elif dtype == torch.bool:
+        ok, want = number and value in (0, 1), "0, 1 or a bool"
+    else:
+        info = torch.iinfo(dtype)
+        ok = number and float(value).is_integer() and info.min <= value <= info.max
+        want = f"an integer in [{info.min}, {info.max}]"
+    if not ok:
+        raise ValueError(f"padded(): value={value!r} does not fit the leaf's {dtype}: expected {want}")

@@ -53,6 +53,7 @@ from .duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
 from .errors import OutputError, ShapeMismatchError
 from .frames import Frames, Layout, flatten, ragged_hint
 from .merge import Rows
+from .plan import Mismatches
 from .ragged import Ragged, joined, offsets_of
 from .reader import read_segment
 
@@ -122,21 +123,36 @@ class DatasetWriter:
         """Frame bytes committed so far."""
         return sum(s["bytes"] for s in self.shards.values())
 
-    def write(self, frames: Mapping[str, Frames] | Any, ranks: Mapping[str, set[int]] | None = None) -> list[str]:
+    def write(
+        self,
+        frames: Mapping[str, Frames] | Any,
+        ranks: Mapping[str, set[int]] | None = None,
+        mismatches: Mismatches | None = None,
+    ) -> list[str]:
         """Commit ``{filename: Frames}`` as new shards; return their names.
 
         Args:
             frames: the frames, one `Frames` per filename; or anything with ``groups`` (a
                 `tdgather.Gathered`, a merge's result), whose columnar buffers are written as they are.
             ranks: for each filename, the ranks that sent these frames (named in conflict errors).
+            mismatches: go on past a filename written before with another layout: leave out its
+                new frames and record the filename and its error here.
+
+        Raises:
+            ShapeMismatchError: a filename written before with another layout (without
+                ``mismatches``); nothing of this call is written.
+            DuplicateFrameError: a frame written before, which the policy refuses to see again.
         """
         with collection_paused():
-            return self._write(frames, ranks or {})
+            return self._write(frames, ranks or {}, mismatches)
 
-    def _write(self, frames: Any, ranks: Mapping[str, set[int]]) -> list[str]:
+    def _write(self, frames: Any, ranks: Mapping[str, set[int]], mismatches: Mismatches | None) -> list[str]:
         shards: list[list[tuple]] = [[]]
         size = 0
         for name, layout, idx, tensors, json_values, runs in _items(frames):
+            if mismatches is not None and self._layouts.get(name, layout) != layout:
+                mismatches.setdefault(name, (self._layouts[name], self._mismatch(name, layout, ranks)))
+                continue
             if name in self._layouts:
                 idx, tensors, json_values = self._drop_written(name, layout, idx, tensors, json_values, ranks)
                 runs = None
@@ -170,18 +186,21 @@ class DatasetWriter:
             written.append(shard_name)
         return written
 
+    def _mismatch(self, name: str, layout: Layout, ranks: Mapping) -> ShapeMismatchError:
+        new_ranks, old_ranks = sorted(ranks.get(name, ())), sorted(self._ranks.get(name, ()))
+        return ShapeMismatchError(
+            f"filename {name!r}: frames already written (from ranks {old_ranks}) have "
+            f"{self._layouts[name].describe()}, new ones (from ranks {new_ranks}) have {layout.describe()}; "
+            "every frame of a filename must have the same structure, shape and dtype"
+            f"{ragged_hint(self._layouts[name], layout)}"
+        )
+
     def _drop_written(
         self, name: str, layout: Layout, idx: torch.Tensor, tensors: list, json_values: list, ranks: Mapping
     ) -> tuple:
         """Resolve frames of ``name`` already on disk by the policy: the disk copy stays, the new one goes."""
-        new_ranks, old_ranks = sorted(ranks.get(name, ())), sorted(self._ranks.get(name, ()))
         if layout != self._layouts[name]:
-            raise ShapeMismatchError(
-                f"filename {name!r}: frames already written (from ranks {old_ranks}) have "
-                f"{self._layouts[name].describe()}, new ones (from ranks {new_ranks}) have {layout.describe()}; "
-                "every frame of a filename must have the same structure, shape and dtype"
-                f"{ragged_hint(self._layouts[name], layout)}"
-            )
+            raise self._mismatch(name, layout, ranks)
         again = _in_runs(self._written[name], idx)
         if not bool(again.any()):
             return idx, tensors, json_values
@@ -203,7 +222,8 @@ class DatasetWriter:
             )
             if bool(verdict.refused.any()):
                 k = int(verdict.refused.nonzero()[0])
-                who = f"rank(s) {new_ranks} and the copy from rank(s) {old_ranks}"
+                new_ranks, old_ranks = sorted(ranks.get(name, ())), sorted(self._ranks.get(name, ()))
+                who = f"rank(s) {old_ranks} and later rank(s) {new_ranks}"
                 where = f" (the first copy was written to {segment['shard']} before this one arrived)"
                 raise conflict(name, int(idx[new_pos[k]]), verdict.describe(k), self.policy, who, where)
             self.duplicates += verdict.counts

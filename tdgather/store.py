@@ -13,9 +13,11 @@ group is a variable-length stack of same-shaped frames: it needs no padding.
   open block (one ``memmove`` each), after the batches before it: blocks double from 64 KiB to
   4 MiB and are sent as they are (`tdgather.pack`); other batches are chunks of their own.
 
-Deferred to `FrameStore.parts` / ``groups()`` / ``names`` (C-level passes over all the rows,
-once): filenames get their ids, and a filename given with two layouts raises
-`ShapeMismatchError`. `FrameStore.update` checks that at once.
+A filename given with two layouts is refused by the `add` or `update` that brings the second
+one, and nothing of that batch is kept: a `tdgather.Collector` goes on with what it holds
+(C-level set operations on the batch's names, not a lookup per frame). Deferred to
+`FrameStore.parts` / ``groups()`` / ``names`` (C-level passes over all the rows, once):
+filenames get their ids.
 
 What the store keeps of a batch given to `FrameStore.add`:
 
@@ -95,7 +97,7 @@ class _Group:
         self.layout = layout
         self.pending: list[str] = []
         self.ids: list[torch.Tensor] = []  # file ids of the rows before the pending ones
-        self.files: set[str] = set()  # the filenames that have ids
+        self.files: set[str] = set()  # the filenames of its rows
         self.json: list[list] = [[] for _ in layout.nontensor]
         self.idx: list[torch.Tensor] = []
         self.chunks: list[list[torch.Tensor]] = []
@@ -163,6 +165,7 @@ class FrameStore:
         self._groups: dict[Layout, _Group] = {}
         self._plain: dict[tuple, _Group] = {}  # plain tensors' groups by (dtype, batch shape)
         self._ids: dict[str, int] = {}
+        self._owner: dict[str, Layout] = {}  # each filename's layout
         self._names: list[str] = []
         self._copies: list = []  # CUDA events of pending device-to-host copies
         self.num_frames = 0
@@ -192,7 +195,13 @@ class FrameStore:
                 frames a tensor whose first dim differs between them.
             ragged: leaves that are ragged even when every frame of this batch happens to have
                 the same first dim (a batch of one, say): dotted keys (``"boxes"``,
-                ``"det.boxes"``), or True for every tensor leaf of a list or plain tensor.
+                ``"det.boxes"``), or True for every tensor leaf that has a dim (fixed-size ones
+                too: name the leaves when a frame has both kinds).
+
+        Raises:
+            ShapeMismatchError: a filename this store holds with another layout; nothing of the
+                batch is kept (in a Collector, a filename sent in an earlier chunk is checked by
+                rank dst).
         """
         n = frame_idx.shape[0] if _is_plain_index(frame_idx) else 0
         g = None
@@ -205,6 +214,7 @@ class FrameStore:
             return self._add_any(filenames, frame_idx, frames)
         # the common case, fast: a CPU tensor of a dtype and shape seen before, int64 frame indexes
         _check_filenames(names)
+        self._claim(g, names)
         g.pending += names
         if self.copy and n <= g.small and frames.is_contiguous() and not (frames.is_conj() or frames.is_neg()):
             g.copy_in(frame_idx, (frames,), n)
@@ -228,7 +238,9 @@ class FrameStore:
         if not count:
             return
         _check_filenames(names)
-        group = self._group(layout)
+        group = self._groups.get(layout) or _Group(layout)
+        self._claim(group, names)
+        self._groups.setdefault(layout, group)
         if type(frames) is torch.Tensor and not layout.ragged:
             self._plain[(frames.dtype, frames.shape)] = group
         self._append(group, names, idx, tensors, json, self.copy)
@@ -277,20 +289,30 @@ class FrameStore:
                     for lst, v in zip(bucket.json, json, strict=True):
                         lst.append(v)
         buckets = [(b, _as_index(b.idx, "frame_idx", b.names)) for b in [*fast.values(), *other.values()]]
-        self._intern()  # the filenames held get ids, so that the new ones are checked against them
         claimed: dict[str, Layout] = {}
         for b, _ in buckets:
             _check_filenames(b.names)
-            mine = self._groups.get(b.layout)
             for name in dict.fromkeys(b.names):
-                first = claimed.setdefault(name, b.layout)
-                if first is b.layout and name in self._ids and (mine is None or name not in mine.files):
-                    first = self._layout_of(name)
-                if first is not b.layout:
+                first = claimed.setdefault(name, self._owner.get(name, b.layout))
+                if first != b.layout:
                     raise _mismatch(name, first, b.layout)
         for b, idx in buckets:  # checked: nothing is half-added
             tensors = [_join(ts, b.how) for ts in b.leaves]
-            self._append(self._group(b.layout), b.names, idx, tensors, b.json, copy=False)
+            group = self._group(b.layout)
+            self._claim(group, b.names)
+            self._append(group, b.names, idx, tensors, b.json, copy=False)
+
+    def _claim(self, g: _Group, names: list[str]) -> None:
+        """Record that ``names`` have ``g``'s layout; refuse, before anything is added, a name that has another."""
+        fresh = g.files.issuperset(names) or set(names).difference(g.files)
+        if fresh is True:
+            return
+        clash = self._owner.keys() & fresh
+        if clash:
+            name = min(clash, key=names.index)
+            raise _mismatch(name, self._owner[name], g.layout)
+        g.files |= fresh
+        self._owner.update(dict.fromkeys(fresh, g.layout))
 
     def _group(self, layout: Layout) -> _Group:
         group = self._groups.get(layout)
@@ -343,31 +365,19 @@ class FrameStore:
         return host
 
     def _intern(self) -> None:
-        """Give ids to the filenames added since the last call, with C-level passes over the rows.
-
-        Raises:
-            ShapeMismatchError: a filename comes with two layouts.
-        """
+        """Give ids to the filenames added since the last call, with C-level passes over the rows."""
         ids = self._ids
         for g in self._groups.values():
             if not g.pending:
                 continue
             fresh = dict.fromkeys(g.pending)  # in order of first appearance
-            new = fresh.keys() - g.files
-            clash = new & ids.keys()
-            if clash:
-                name = min(clash, key=ids.__getitem__)
-                raise _mismatch(name, self._layout_of(name), g.layout)
+            new = fresh.keys() - ids.keys()  # each name has one layout (`_claim`): new to the store
             if new:
                 ordered = list(filter(new.__contains__, fresh))
                 ids.update(zip(ordered, itertools.count(len(self._names))))
                 self._names += ordered
-                g.files |= new
             g.ids.append(torch.frombuffer(array("q", map(ids.__getitem__, g.pending)), dtype=torch.int64))
             g.pending = []
-
-    def _layout_of(self, name: str) -> Layout:
-        return next(g.layout for g in self._groups.values() if name in g.files)
 
     def synchronize(self) -> None:
         """Wait until every device-to-host copy made by `add` has landed."""
@@ -382,11 +392,7 @@ class FrameStore:
         return self._names
 
     def parts(self, rank: int) -> list[Part]:
-        """The frames as one `Part` per layout, viewing the stored batches: no copy.
-
-        Raises:
-            ShapeMismatchError: a filename was given with two layouts.
-        """
+        """The frames as one `Part` per layout, viewing the stored batches: no copy."""
         self.synchronize()
         self._intern()
         parts = []
@@ -542,7 +548,7 @@ def _ragged_spec(ragged: bool | str | Iterable[str]) -> RaggedSpec:
     """``add(ragged=...)`` as `flatten` takes it: True, or the dotted keys."""
     if ragged is True:
         return True
-    names = (ragged,) if isinstance(ragged, str) else tuple(ragged)
+    names = (ragged,) if isinstance(ragged, str) else tuple(ragged) if isinstance(ragged, Iterable) else (ragged,)
     if not all(isinstance(x, str) for x in names):
         raise TypeError(f"add(): expected ragged=True or dotted keys (str), got {ragged!r:.80}")
     return frozenset(names)

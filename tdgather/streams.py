@@ -27,9 +27,10 @@ from tqdm import tqdm
 
 from ._output import remove_ours
 from .duplicates import DuplicateCounts, DuplicatePolicy
-from .errors import FrameConflictError, PeerLostError
+from .errors import DuplicateFrameError, PeerLostError
 from .merge import merge
 from .pack import pack
+from .plan import Mismatches
 from .pool import BufferPool
 from .protocol import Joiner, end_stream, expect_done, read_frames, send_frames
 from .sink import DatasetWriter
@@ -272,14 +273,30 @@ class Sender(_Side):
         self.check()
 
     def abort(self, exc: BaseException) -> None:
-        """Drop unsent chunks, end the stream with ``error``, and wait (bounded) for dst's answer."""
+        """Send what it holds, end the stream with ``error``, and wait (bounded) for dst's answer.
+
+        The frames added before the failure are whole, so they go to dst, which keeps them in
+        ``<path>.partial``; unless dst has failed already (it stops reading) or is lost.
+        """
         self.fail(exc)
-        while not self.queue.empty():  # unsent chunks are dropped
-            self.queue.get_nowait()
-        if self.thread.is_alive():
-            self.queue.put(exc)
-            self._join_send_thread()
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        if len(self.store):
+            self._put_while_sending(self.store, deadline)
+            self.store = FrameStore(self.copy)
+        self._put_while_sending(exc, deadline)
+        self._join_send_thread()
         self.watcher.join(self.timeout.total_seconds())
+
+    def _put_while_sending(self, item: Any, deadline: float) -> None:
+        """Queue an item behind the unsent chunks; if the send loop ends or stalls first, drop them all."""
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            try:
+                self.queue.put(item, timeout=_POLL)
+                return
+            except queue.Full:
+                continue
+        while not self.queue.empty():
+            self.queue.get_nowait()
 
     def _join_send_thread(self) -> None:
         """Wait for the send thread: at most the timeout, and only briefly once dst has answered.
@@ -409,26 +426,30 @@ class Destination(_Side):
         Large rows are written straight from the received buffers (`tdgather.merge.Rows`); small
         ones are merged into new buffers first.
 
-        A conflict (a duplicate the policy refuses, a shape mismatch) fails the run, but the writer
-        is sound: it goes on writing what arrives, keeping one copy of a conflicting frame, so that
-        what was received is saved. A failed write stops writing.
+        A conflict fails the run, but the writer is sound: it goes on writing what arrives, so
+        that what was received is saved. Of a duplicate the policy refuses, one copy is kept; of a
+        filename sent with two layouts, the frames of the layout that came first (lowest rank
+        first within a spill; the one on disk, after). A failed write stops writing.
         """
         if self.write_failed:
             return
         parts = sorted(parts, key=lambda p: p.rank)
+        mismatches: Mismatches = {}
         try:
             try:
-                merged = merge(parts, self.policy, by_reference=True)
-                self.writer.write(merged, merged.ranks)
-            except FrameConflictError as e:
+                merged = merge(parts, self.policy, by_reference=True, mismatches=mismatches)
+                self.writer.write(merged, merged.ranks, mismatches)
+            except DuplicateFrameError as e:
                 self._fail(e)
                 self.policy = self.writer.policy = DuplicatePolicy("keep")
-                merged = merge(parts, self.policy, by_reference=True)
-                self.writer.write(merged, merged.ranks)
+                merged = merge(parts, self.policy, by_reference=True, mismatches=mismatches)
+                self.writer.write(merged, merged.ranks, mismatches)
             self.duplicates += merged.duplicates
         except BaseException as e:
             self.write_failed = True
             self._fail(e)
+        for _, error in mismatches.values():
+            self._fail(error)
 
     def _progress(self, frames: int) -> None:
         if self.bar.disable:

@@ -93,6 +93,7 @@ def predictions(scenario: str, rank: int, world: int) -> dict:
             p["x.mp4"][1] = (1, value("x.mp4", 1) + 1)
     elif scenario == "shape_mismatch":
         p["x.mp4"] = [(rank, value("x.mp4", rank, (3,) if rank == 0 else (4,)))]
+        p["ok.mp4"] = (rank, value("ok.mp4", rank))
     elif scenario == "unsupported":
         p["x.mp4"] = (0, torch.zeros(2, dtype=torch.complex128) if rank == 1 else torch.zeros(2))
     else:
@@ -212,7 +213,9 @@ def case_error(scenario: str, duplicates: str = "keep") -> dict:
     try:
         tdgather.gather(predictions(scenario, rank, world), timeout=60, duplicates=duplicates)
     except tdgather.TdgatherError as e:
-        return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
+        received = getattr(e, "received", None)
+        kept = {n: f.frame_idx.tolist() for n, f in received.items()} if received is not None else None
+        return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None), "received": kept}
     return {"type": None, "message": "", "rank": None}
 
 
@@ -345,9 +348,9 @@ def case_backpressure(out: str) -> dict:
     if rank == 0:
         slow = sink.DatasetWriter.write
 
-        def write(self, frames, ranks=None):
+        def write(self, frames, *args):
             _time.sleep(0.3)
-            return slow(self, frames, ranks)
+            return slow(self, frames, *args)
 
         sink.DatasetWriter.write = write
     waited = 0.0
@@ -406,6 +409,56 @@ def case_stream_error(out: str, failing_rank: int) -> dict:
     except Exception as e:
         return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
     return {"type": None}
+
+
+def case_stream_mismatch(out: str, when: str) -> dict:
+    """``odd.mp4`` comes with two layouts; return each rank's error and, on rank 0, what ``.partial`` holds.
+
+    ``when``: ``"same_spill"``, ranks 1 and 2 send it first, into one spill; ``"on_disk"``, rank 1
+    sends it first and rank 2 after all its frames, a spill later; ``"in_rank"``, rank 1 adds it
+    as ``float32[4]`` then ``float32[5]`` into one chunk after 10 batches; ``"in_rank_later"``,
+    the first at the start, the second after 10 batches (chunks apart).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    budget = 64 << 20 if when == "same_spill" else 1 << 20
+    odd = {1: (0, value("odd.mp4", 0, (4,))), 2: (1, value("odd.mp4", 1, (5,)))}
+    added: dict[str, dict[int, torch.Tensor]] = {}
+    error = None
+    try:
+        with tdgather.Collector(out, memory_budget=budget, chunk_bytes=32 << 10, timeout=60, progress=False) as col:
+            if (rank == 1 and when != "in_rank") or (rank == 2 and when == "same_spill"):
+                col.update({"odd.mp4": odd[rank]})
+                added["odd.mp4"] = {odd[rank][0]: odd[rank][1]}
+            for b, (names, idx, frames) in enumerate(stream_batches(rank, world, files=20)):
+                if when.startswith("in_rank") and rank == 1 and b == 10:
+                    if when == "in_rank":
+                        col.update({"odd.mp4": odd[1]})
+                        added["odd.mp4"] = {0: odd[1][1]}
+                    col.update({"odd.mp4": odd[2]})
+                col.add(names, idx, frames)
+                for name, i, frame in zip(names, idx, frames, strict=True):
+                    added.setdefault(name, {})[i] = frame
+            if rank == 2 and when == "on_disk":
+                col.update({"odd.mp4": odd[rank]})
+    except tdgather.TdgatherError as e:
+        error = {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
+    out_added = [None] * world
+    dist.all_gather_object(out_added, {n: sorted(f) for n, f in added.items()})  # the test's own bookkeeping
+    if rank != 0:
+        return {"error": error}
+    ds = tdgather.open(out + ".partial", incomplete=True)
+    saved = {name: ds[name] for name in ds}
+    expected = {"odd.mp4": value("odd.mp4", 0, (4,))}  # rank 1's, the lowest rank's layout
+    for name, f in saved.items():
+        for i, frame in zip(f.frame_idx.tolist(), f.frames, strict=True):
+            want = expected.get(name) if name == "odd.mp4" else value(name, i, (3, 16, 16))
+            assert torch.equal(frame, want), (name, i)
+    return {
+        "error": error,
+        "saved": {n: f.frame_idx.tolist() for n, f in saved.items()},
+        "added": out_added,
+        "received": ds.metadata["frames_per_rank"],
+    }
 
 
 def case_stream_open(out: str, overwrite: bool) -> dict:
@@ -508,9 +561,9 @@ def case_slow_placement(world_frames: int, early_bytes: int) -> dict | None:
     if rank == 0:
         place, land = gather_module.place, gather_module._Landing.land
 
-        def slow_place(parts):
+        def slow_place(parts, *args):
             _time.sleep(0.5)
-            return place(parts)
+            return place(parts, *args)
 
         def noted_land(self, *args):
             early.append(not self.receive.placed.is_set())

@@ -1,6 +1,7 @@
 """The streaming Collector in real gloo worlds."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -111,3 +112,33 @@ def test_summary_is_logged_when_asked(tmp_path, caplog):
         col.update({"a": (0, torch.ones(3))})
     assert "tdgather: 1 frames" in caplog.text and str(col.summary) in caplog.text
     assert col.summary.throughput_mb_s > 0 and col.summary.shards == 1
+
+
+@pytest.mark.parametrize("when", ["same_spill", "on_disk", "in_rank", "in_rank_later"])
+def test_a_filename_with_two_layouts_fails_the_run_and_loses_nothing_else(tmp_path, when):
+    out = run_local_world(cases.case_stream_mismatch, 3, str(tmp_path / "ds"), when, timeout=180)
+    errors = [r["error"] for r in out]
+    saved, added = {n: set(idx) for n, idx in out[0]["saved"].items()}, out[0]["added"]
+    union: dict[str, set] = {}
+    for per_rank in added:
+        for name, idx in per_rank.items():
+            union.setdefault(name, set()).update(idx)
+    union["odd.mp4"] = {0}  # of rank 1's layout, float32[4]; rank 0 checked every saved frame's bits
+    assert errors[2]["type"] == "PeerError"
+    if when == "in_rank":  # rank 1's add refuses it at once; what rank 1 added before is still sent and saved
+        assert errors[1]["type"] == "ShapeMismatchError"
+        assert "frames on rank 1 have float32[4] and float32[5]" in errors[1]["message"]
+        assert errors[0]["type"] == "PeerError" and errors[0]["rank"] == 1
+        assert all(idx <= union[name] for name, idx in saved.items())
+        assert all(set(idx) <= saved[name] for name, idx in [*added[0].items(), *added[1].items()])
+        return
+    # rank 0 finds it, names the file, both layouts and both ranks
+    assert errors[0]["type"] == "ShapeMismatchError"
+    assert "'odd.mp4'" in errors[0]["message"] and "float32[4]" in errors[0]["message"]
+    assert "float32[5]" in errors[0]["message"] and re.search(r"ranks? \[?1", errors[0]["message"])
+    assert [(e["type"], e["rank"]) for e in errors[1:]] == [("PeerError", 0), ("PeerError", 0)]
+    if when == "in_rank_later":  # rank 1 may have stopped before sending all: rank 0's own are all saved
+        assert all(idx <= union[name] for name, idx in saved.items())
+        assert all(set(idx) <= saved[name] for name, idx in added[0].items()) and saved["odd.mp4"] == {0}
+    else:  # every frame was sent before the conflicting one: all saved
+        assert saved == union

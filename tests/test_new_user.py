@@ -80,7 +80,7 @@ def test_a_conflict_after_shards_were_written_keeps_what_was_saved(tmp_path):
     out = tmp_path / "ds"
     r = run_local_world(newuser.case_conflict_after_shards, 3, str(out), timeout=120)
     assert r[0]["type"] == "DuplicateFrameError", r[0]
-    assert "'x.mp4', frame_idx 1: rank(s) [2] and the copy from rank(s) [1]" in r[0]["message"]
+    assert "'x.mp4', frame_idx 1: rank(s) [1] and later rank(s) [2]" in r[0]["message"]
     assert r[1]["type"] == r[2]["type"] == "PeerError" and r[1]["rank"] == 0
     assert not out.exists()
     saved = tdgather.open(out, incomplete=True)

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 
 import tdgather
-from tdgather import DatasetError, DuplicateFrameError, ProtocolError, ShapeMismatchError
+from tdgather import DatasetError, DuplicateFrameError, ProtocolError, ShapeMismatchError, UnsupportedValueError
 from tdgather._dtypes import DTYPES
 from tdgather.launch import WorldError, run_local_world
 from tdgather.pack import pack
@@ -129,6 +129,20 @@ def test_padded_works_where_to_padded_tensor_does_not(dtype):
     assert p.to(torch.float32).sum() == 6
 
 
+def test_padded_refuses_a_value_the_dtype_cannot_hold_and_what_is_not_ragged():
+    nt = Ragged.from_lengths(torch.arange(3, dtype=torch.uint8), torch.tensor([2, 0, 1])).to_nested()
+    assert padded(nt, 255)[0].tolist() == [[0, 1], [255, 255], [2, 255]]
+    for value in (300, -1, 1.5, "x"):
+        with pytest.raises(ValueError, match=rf"value={value!r} does not fit the leaf's torch.uint8.*\[0, 255\]"):
+            padded(nt, value)
+    with pytest.raises(ValueError, match="expected 0, 1 or a bool"):
+        padded(Ragged.from_lengths(torch.ones(2, dtype=torch.bool), torch.tensor([2])), 2)
+    with pytest.raises(TypeError, match="got list; a list of tensors pads with torch.nn.utils.rnn.pad_sequence"):
+        padded([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match="expected ragged=True or dotted keys"):
+        tdgather.FrameStore().add(["v"], [0], torch.ones(1, 3), ragged=1)
+
+
 def test_a_batch_of_one_keeps_a_declared_leaf_ragged():
     store = tdgather.FrameStore()
     store.add(["v"], [0], [{"boxes": torch.ones(3, 4), "feat": torch.ones(8)}], ragged=["boxes"])
@@ -142,9 +156,17 @@ def test_a_batch_of_one_keeps_a_declared_leaf_ragged():
 def test_an_undeclared_leaf_whose_first_dim_changes_gets_the_fix_in_its_error():
     store = tdgather.FrameStore()
     store.add(["v"], [0], [{"boxes": torch.ones(3, 4)}])
-    store.add(["v"], [1], [{"boxes": torch.ones(2, 4)}])
     with pytest.raises(ShapeMismatchError, match=r"float32\[3, 4\].*float32\[2, 4\].*ragged=\['boxes'\]"):
-        tdgather.gather(store)
+        store.add(["v"], [1], [{"boxes": torch.ones(2, 4)}])
+    assert tdgather.gather(store)["v"].frame_idx.tolist() == [0]
+
+
+def test_the_hint_keeps_the_leaves_already_declared_so_following_it_converges():
+    store = tdgather.FrameStore()
+    store.add(["v"], [0], [{"boxes": torch.ones(3, 4), "scores": torch.ones(3)}], ragged=["boxes"])
+    with pytest.raises(ShapeMismatchError, match=r"ragged=\['boxes', 'scores'\]"):
+        store.add(["v"], [1], [{"boxes": torch.ones(2, 4), "scores": torch.ones(2)}], ragged=["boxes"])
+    store.add(["w"], [0], [{"boxes": torch.ones(2, 4), "scores": torch.ones(2)}], ragged=["boxes", "scores"])
 
 
 def test_leaves_that_differ_in_more_than_their_first_dim_are_refused():
@@ -154,10 +176,16 @@ def test_leaves_that_differ_in_more_than_their_first_dim_are_refused():
     with pytest.raises(ShapeMismatchError, match=r"frame 1 of the list has \{boxes: int64\[3, 4\]\}"):
         store.add(["v", "v"], [0, 1], [{"boxes": torch.ones(3, 4)}, {"boxes": torch.ones(3, 4, dtype=torch.long)}])
     store.add(["v"], [0], {"b": Ragged.from_lengths(torch.ones(2, 4), torch.tensor([2])).to_nested()})
-    store.add(["v"], [1], {"b": Ragged.from_lengths(torch.ones(2, 3), torch.tensor([2])).to_nested()})
     with pytest.raises(ShapeMismatchError, match=r"float32\[\*, 4\]\} and \{b: float32\[\*, 3\]\}") as e:
-        store.parts(0)
+        store.add(["v"], [1], {"b": Ragged.from_lengths(torch.ones(2, 3), torch.tensor([2])).to_nested()})
     assert "ragged=" not in str(e.value)  # a declaration would not help
+    strided = torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 5)])  # ragged in two dims
+    with pytest.raises(ShapeMismatchError, match=r"frames differ in more than their first dim.*\(3, 5\)"):
+        store.add(["v", "v"], [2, 3], strided)
+    with pytest.raises(UnsupportedValueError, match=r"key 'boxes': got a list holding tensors.*per-frame dicts"):
+        store.add(["v", "v"], [2, 3], {"boxes": [torch.ones(2, 4), torch.ones(3, 4)]})
+    with pytest.raises(ValueError, match="'s' is named ragged, but it holds one value per frame"):
+        store.add(["v", "v"], [2, 3], [{"b": torch.ones(2), "s": torch.tensor(1.0)}] * 2, ragged=["b", "s"])
     with pytest.raises(ValueError, match="named ragged, but it holds one value per frame"):
         tdgather.FrameStore().add(["v"], [0], {"s": torch.ones(1)}, ragged=["s"])
     with pytest.raises(ValueError, match=r"ragged=\['box'\] names \['box'\], which is not a tensor leaf.*\['boxes'\]"):
@@ -170,7 +198,7 @@ def test_leaves_that_differ_in_more_than_their_first_dim_are_refused():
 def test_a_strict_policy_refuses_a_copy_with_another_number_of_boxes():
     store = tdgather.FrameStore()
     store.add(["v", "v"], [0, 0], [torch.ones(2, 4), torch.ones(3, 4)])
-    with pytest.raises(DuplicateFrameError, match=r"frame_idx 0.*'<tensor>': 3 rows against 2"):
+    with pytest.raises(DuplicateFrameError, match=r"frame_idx 0.*'<tensor>': 2 rows against 3"):
         tdgather.gather(store, duplicates="exact")
     kept = tdgather.gather(store)  # keep: the first copy
     assert kept["v"].frames.offsets().tolist() == [0, 2] and kept.stats.duplicates.inexact == 1
@@ -294,7 +322,10 @@ def test_a_values_tensor_of_another_shape_is_refused(tmp_path):
     out, _ = _saved(tmp_path)
     shard = next(out.glob("shard-*.safetensors")).name
     rewrite_shard(out / shard, tensors=lambda t: t.__setitem__("g0.leaf0", t["g0.leaf0"].reshape(-1, 2)))
-    with pytest.raises(DatasetError, match=r"g0.leaf0: expected float32\[12, 4\], got 'float32\[12, 2\]'"):
+    with pytest.raises(DatasetError, match=r"g0.leaf0: expected float32\[N, 4\], got 'float32\[12, 2\]'"):
+        tdgather.open(out).verify()
+    rewrite_shard(out / shard, tensors=lambda t: t.__setitem__("g0.leaf0", t["g0.leaf0"].reshape(-1)))
+    with pytest.raises(DatasetError, match=r"g0.leaf0: expected float32\[N, 4\], got 'float32\[24\]'"):
         tdgather.open(out).verify()
     assert os.path.isdir(out)
 
@@ -321,5 +352,5 @@ def test_a_copy_that_arrives_after_its_frame_was_written_is_compared_with_the_di
     assert tdgather.open(tmp_path / "keep")["v"].frames["boxes"].offsets().tolist() == [0, 2, 2, 5]  # the disk's
     strict = DatasetWriter(tmp_path / "exact", duplicates="exact")
     strict.write(frames([2, 0, 3]))
-    with pytest.raises(DuplicateFrameError, match=r"frame_idx 1.*written to shard-00000.*'boxes': 1 rows against 0"):
+    with pytest.raises(DuplicateFrameError, match=r"frame_idx 1.*written to shard-00000.*'boxes': 0 rows against 1"):
         strict.write(frames([2, 1]))

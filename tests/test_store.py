@@ -91,16 +91,28 @@ def test_large_blocks_go_on_the_wire_as_they_are():
     assert len(out) == 200 and out["f7"].frames[:, 0].unique().tolist() == list(range(70, 80))
 
 
-def test_a_filename_with_two_layouts_from_add_is_refused_when_sent():
+def test_a_filename_with_two_layouts_is_refused_by_the_add_that_brings_it_and_nothing_of_it_is_kept():
     store = tdgather.FrameStore()
     store.add(["x.mp4", "y.mp4"], torch.tensor([0, 0]), torch.zeros(2, 3))
-    store.add(["y.mp4", "x.mp4"], torch.tensor([1, 1]), torch.zeros(2, 4))  # added: checked when sent
-    assert len(store) == 4
-    for attempt in (lambda: store.parts(0), lambda: store.names, lambda: pack(store)):
-        with pytest.raises(ShapeMismatchError, match=r"filename 'x.mp4': frames on rank 0 have float32\[3\] and "):
-            attempt()
+    store.add(["z.mp4"], torch.tensor([0]), torch.zeros(1, 4))
+    for batch in (torch.zeros(2, 4), torch.zeros(2, 3, dtype=torch.float64)):  # the fast path, and a new layout
+        with pytest.raises(ShapeMismatchError, match=r"filename 'y.mp4': frames on rank 0 have float32\[3\] and "):
+            store.add(["y.mp4", "x.mp4"], torch.tensor([1, 1]), batch)
     with pytest.raises(ShapeMismatchError, match=r"filename 'x.mp4'.*float32\[3\] and float32\[4\] \(ranks \[0\]\)"):
-        store.update({"z.mp4": (0, torch.zeros(3))})  # update checks what is held first
+        store.update({"w.mp4": (0, torch.zeros(3)), "x.mp4": (2, torch.zeros(4))})
+    assert len(store) == 3 and store.names == ["x.mp4", "y.mp4", "z.mp4"]
+    out = merge(store.parts(0)).files  # what was held is whole
+    assert {n: f.frame_idx.tolist() for n, f in out.items()} == {"x.mp4": [0], "y.mp4": [0], "z.mp4": [0]}
+    store.add(["y.mp4", "y.mp4"], torch.tensor([1, 2]), torch.ones(1, 3).expand(2, 3))  # still takes frames
+    with pytest.raises(ShapeMismatchError, match=r"filename 'z.mp4'"):  # a new name of the batch clashes
+        store.add(["w.mp4", "z.mp4"], torch.tensor([0, 2]), torch.zeros(2, 3))
+    store.add(["w.mp4"], torch.tensor([0]), torch.zeros(1, 3))  # w.mp4 was not claimed by the refused batch
+    assert {n: f.frame_idx.tolist() for n, f in merge(store.parts(0)).files.items()} == {
+        "w.mp4": [0],
+        "x.mp4": [0],
+        "y.mp4": [0, 1, 2],
+        "z.mp4": [0],
+    }
 
 
 def test_update_checks_filenames_against_added_frames_and_adds_nothing_on_error():

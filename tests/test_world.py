@@ -51,6 +51,8 @@ def test_shape_mismatch_names_filename_shapes_and_ranks(world):
     assert out[0]["type"] == "ShapeMismatchError"
     assert "'x.mp4'" in msg and "float32[3]" in msg and "float32[4]" in msg
     assert "rank 0" in msg and "rank 1" in msg
+    # nothing received is lost: every other frame, and x.mp4 as rank 0 sent it
+    assert out[0]["received"] == {"ok.mp4": list(range(world)), "x.mp4": [0]}
 
 
 def test_bad_input_on_a_sender_is_reported_by_rank_0():
