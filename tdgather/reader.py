@@ -114,6 +114,18 @@ class Dataset(Mapping[str, Frames]):
             out[".".join(layout.leaves[j].path) or "<tensor>"] = torch.cat(per_leaf[j])[order]
         return out
 
+    def per_frame(self) -> Any:
+        """The frames as a map-style ``torch.utils.data.Dataset``, one item a frame (`tdgather.views.FrameDataset`)."""
+        from .views import FrameDataset
+
+        return FrameDataset(self)
+
+    def to_hf(self, **kwargs: Any) -> Any:
+        """The frames as a Hugging Face ``datasets.Dataset``, one row a frame (`tdgather.views.to_hf`; extra ``hf``)."""
+        from .views import to_hf
+
+        return to_hf(self, **kwargs)
+
     def verify(self) -> None:
         """Check every shard's header against the index now (`__getitem__` does it lazily, per shard)."""
         for shard, entry in self.index["shards"].items():
