@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ._dtypes import SAFETENSORS_CODE, dtype_name
+from ._names import GroupNames, group_names
 from ._output import FORMAT, INDEX_VERSION
 from .errors import DatasetError
 from .frames import Layout
@@ -32,6 +33,7 @@ __all__ = [
     "Check",
     "IndexPlan",
     "check_group",
+    "names_in",
     "check_index",
     "check_layout",
     "check_segment",
@@ -43,7 +45,8 @@ __all__ = [
     "shard_groups",
 ]
 
-VERSIONS = (INDEX_VERSION,)  # the index versions this tdgather reads
+VERSIONS = (1, INDEX_VERSION)  # the index versions this tdgather reads
+_SHARD_VERSIONS = ("1", str(INDEX_VERSION))  # a shard's __metadata__.version (tensor names: `tdgather._names`)
 SHARD_NAME = re.compile(r"shard-[0-9]{5,}\.safetensors")  # as DatasetWriter names them
 GROUP_NAME = re.compile(r"g[0-9]+")
 _DTYPE_OF_CODE = {code: dtype_name(dt) for dt, code in SAFETENSORS_CODE.items()}
@@ -246,9 +249,18 @@ def shard_groups(f: Any, c: Check) -> dict:
     return c.mapping(load_json(c.str(meta.get("groups"), "__metadata__.groups"), c, "__metadata__.groups"), "groups")
 
 
+def names_in(f: Any, c: Check, group: str, layout: Layout) -> GroupNames:
+    """The tensor names of a group in an open shard: by the version its ``__metadata__`` records (none: 1)."""
+    version = (f.metadata() or {}).get("version", "1")
+    if version not in _SHARD_VERSIONS:
+        raise c.fail("__metadata__.version", " or ".join(map(repr, _SHARD_VERSIONS)), version)
+    return group_names(group, layout, int(version))
+
+
 def check_group(f: Any, c: Check, group: str, layout: Layout) -> int:
     """Check one group's tensors in a shard header against ``layout``; return its rows ``N``."""
     names = set(f.keys())
+    tensor_names = names_in(f, c, group, layout)
 
     def tensor(name: str, dtype: torch.dtype, shape: tuple = (), rows: int | None = None) -> Any:
         got = f.get_slice(name) if name in names else None
@@ -266,19 +278,20 @@ def check_group(f: Any, c: Check, group: str, layout: Layout) -> int:
 
     def blob(name: str, dtype: torch.dtype, shape: tuple, what: str) -> None:  # rows of any length, their offsets
         size = tensor(name, dtype, shape).get_shape()[0]
-        offsets = tensor(f"{name}.offsets", torch.int64, (), n + 1)
+        offsets_name = tensor_names.offsets(name)
+        offsets = tensor(offsets_name, torch.int64, (), n + 1)
         ends = [int(offsets[0:1]), int(offsets[n : n + 1])]
         if ends != [0, size]:
-            raise c.fail(f"{name}.offsets", f"first and last offsets [0, {size}] ({what})", ends)
+            raise c.fail(offsets_name, f"first and last offsets [0, {size}] ({what})", ends)
 
-    n = tensor(f"{group}.frame_idx", torch.int64).get_shape()[0]
-    for j, leaf in enumerate(layout.leaves):
+    n = tensor(tensor_names.frame_idx, torch.int64).get_shape()[0]
+    for name, leaf in zip(tensor_names.leaves, layout.leaves, strict=True):
         if leaf.ragged:
-            blob(f"{group}.leaf{j}", leaf.dtype, leaf.shape, "the values' rows")
+            blob(name, leaf.dtype, leaf.shape, "the values' rows")
         else:
-            tensor(f"{group}.leaf{j}", leaf.dtype, leaf.shape, n)
-    for j in range(len(layout.nontensor)):
-        blob(f"{group}.json{j}", torch.uint8, (), "the blob's length")
+            tensor(name, leaf.dtype, leaf.shape, n)
+    for name in tensor_names.json:
+        blob(name, torch.uint8, (), "the blob's length")
     return n
 
 

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 FORMAT = "tdgather"  # the index's and every shard's "format"
-INDEX_VERSION = 1  # the index version the sink writes and the reader checks
+INDEX_VERSION = 2  # the index version the sink writes (and its shards' tensor names: `tdgather._names`)
 INDEX_NAME = "tdgather.index.json"
 INCOMPLETE_NAME = "tdgather.incomplete.json"  # what a failed run saved, in <name>.partial
 

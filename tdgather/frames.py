@@ -216,7 +216,7 @@ def _check_json(value: Any, where: str) -> None:
 
 
 def flatten(
-    value: Any, batch: int | None, where: str, ragged: RaggedSpec = frozenset()
+    value: Any, batch: int | None, where: str, ragged: RaggedSpec = frozenset(), check_names: bool = True
 ) -> tuple[Layout, list[Any], list[Any]]:
     """Split a frame value into its layout, tensor leaves and JSON leaves.
 
@@ -229,6 +229,8 @@ def flatten(
         where: what to name in error messages (a filename, a key).
         ragged: leaves to make ragged even where every frame has the same first dim (dotted
             paths; True: every tensor leaf of at least one dim).
+        check_names: refuse a name in ``ragged`` that matches no tensor leaf of ``value``
+            (`check_ragged_names`; off where the caller checks the names over many values).
 
     Returns:
         ``(layout, tensors, json)``: a ragged leaf's tensor is a `tdgather.ragged.Ragged`; for a
@@ -241,15 +243,19 @@ def flatten(
     'float32[*, 4]'
     """
     out = _flatten(value, batch, where, ragged)
-    if isinstance(ragged, frozenset) and ragged:
-        known = {".".join(leaf.path) for leaf in out[0].leaves}
-        unknown = sorted(ragged - known)
-        if unknown and (batch is None or batch):  # an empty batch has no leaves to match
-            raise ValueError(
-                f"{where}: ragged={sorted(ragged)} names {unknown}, which is not a tensor leaf here; the tensor "
-                f"leaves are {sorted(known) or 'none'} (dotted keys; for a plain tensor pass ragged=True)"
-            )
+    if check_names and (batch is None or batch):  # an empty batch has no leaves to match
+        check_ragged_names(ragged, {".".join(leaf.path) for leaf in out[0].leaves}, where)
     return out
+
+
+def check_ragged_names(ragged: RaggedSpec, known: set[str], where: str) -> None:
+    """Refuse names in ``ragged`` that are none of the dotted tensor leaves ``known`` (a typo, most often)."""
+    unknown = sorted(ragged - known) if isinstance(ragged, frozenset) else []
+    if unknown:
+        raise ValueError(
+            f"{where}: ragged={sorted(ragged)} names {unknown}, which is not a tensor leaf here; the tensor "
+            f"leaves are {sorted(known) or 'none'} (dotted keys; for a plain tensor pass ragged=True)"
+        )
 
 
 def _flatten(value: Any, batch: int | None, where: str, ragged: RaggedSpec) -> tuple[Layout, list[Any], list[Any]]:

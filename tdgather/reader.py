@@ -27,9 +27,11 @@ from ._index_check import (
     json_scalar,
     key,
     load_json,
+    names_in,
     open_shard,
     shard_groups,
 )
+from ._names import GroupNames
 from ._output import INCOMPLETE_NAME, INDEX_NAME
 from .errors import DatasetError, OutputError
 from .frames import Frames, Layout, rebuild
@@ -106,9 +108,10 @@ class Dataset(Mapping[str, Frames]):
             return out
         idx, per_leaf = [], {j: [] for j in ragged}
         for f, c, group, lo, hi in self._segments(name):
-            idx.append(f.get_slice(f"{group}.frame_idx")[lo:hi])
+            names = names_in(f, c, group, layout)
+            idx.append(f.get_slice(names.frame_idx)[lo:hi])
             for j in ragged:
-                per_leaf[j].append(_offsets(f, c, f"{group}.leaf{j}", lo, hi)[0].diff())
+                per_leaf[j].append(_offsets(f, c, names, names.leaves[j], lo, hi)[0].diff())
         order = torch.argsort(torch.cat(idx))
         for j in ragged:
             out[".".join(layout.leaves[j].path) or "<tensor>"] = torch.cat(per_leaf[j])[order]
@@ -194,39 +197,40 @@ def _cat(columns: list) -> Any:
     return Ragged.cat(columns) if isinstance(columns[0], Ragged) else torch.cat(columns)
 
 
-def _offsets(f: Any, c: Check, name: str, lo: int, hi: int) -> tuple[torch.Tensor, Any]:
+def _offsets(f: Any, c: Check, names: GroupNames, name: str, lo: int, hi: int) -> tuple[torch.Tensor, Any]:
     """The offsets of rows ``lo:hi`` of a blob (a ragged leaf's values, JSON lines), and the blob, unread.
 
     The offsets are checked (non-decreasing, inside the blob) before anything else is read.
     """
-    offsets = f.get_slice(f"{name}.offsets")[lo : hi + 1]
+    offsets_name = names.offsets(name)
+    offsets = f.get_slice(offsets_name)[lo : hi + 1]
     blob = f.get_slice(name)
     size = blob.get_shape()[0]
     if bool((offsets.diff() < 0).any()) or int(offsets.min()) < 0 or int(offsets.max()) > size:
-        raise c.fail(f"{name}.offsets", f"non-decreasing offsets in 0..{size} (rows {lo}..{hi})", offsets.tolist()[:20])
+        raise c.fail(offsets_name, f"non-decreasing offsets in 0..{size} (rows {lo}..{hi})", offsets.tolist()[:20])
     return offsets, blob
 
 
-def _span(f: Any, c: Check, name: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _span(f: Any, c: Check, names: GroupNames, name: str, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``lo:hi`` of a blob with offsets, read once their offsets are checked; and the offsets."""
-    offsets, blob = _offsets(f, c, name, lo, hi)
+    offsets, blob = _offsets(f, c, names, name, lo, hi)
     return offsets, blob[int(offsets[0]) : int(offsets[-1])]
 
 
 def _rows(f: Any, c: Check, group: str, layout: Layout, lo: int, hi: int) -> tuple[torch.Tensor, list, list]:
     """Rows ``lo:hi`` of a group whose header is checked; offsets and JSON lines are checked as read."""
-    idx = f.get_slice(f"{group}.frame_idx")[lo:hi]
+    names = names_in(f, c, group, layout)
+    idx = f.get_slice(names.frame_idx)[lo:hi]
     tensors: list[Any] = []
-    for j, leaf in enumerate(layout.leaves):
+    for name, leaf in zip(names.leaves, layout.leaves, strict=True):
         if leaf.ragged:
-            offsets, values = _span(f, c, f"{group}.leaf{j}", lo, hi)
+            offsets, values = _span(f, c, names, name, lo, hi)
             tensors.append(Ragged(values, offsets - offsets[0]))
         else:
-            tensors.append(f.get_slice(f"{group}.leaf{j}")[lo:hi])
+            tensors.append(f.get_slice(name)[lo:hi])
     json_values = []
-    for j in range(len(layout.nontensor)):
-        name = f"{group}.json{j}"
-        offsets, blob = _span(f, c, name, lo, hi)
+    for name in names.json:
+        offsets, blob = _span(f, c, names, name, lo, hi)
         bounds = offsets.tolist()
         data = blob.numpy().tobytes()
         at = [b - bounds[0] for b in bounds]

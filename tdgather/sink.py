@@ -8,12 +8,13 @@ Layout of a dataset directory (documented in the README)::
         tdgather.index.json           # written last: its presence means "complete"
 
 In a shard, the frames of every filename of one layout ("group" ``g<k>``) are
-stored back to back, filenames in sorted order: ``g<k>.frame_idx`` (int64
-``[N]``), one tensor per leaf ``g<k>.leaf<j>`` (``[N, ...]``; for a ragged leaf its
-values, ``[sum N_i, ...]``, with ``g<k>.leaf<j>.offsets``, int64 ``[N+1]``: frame
-``i``'s rows are ``offsets[i] : offsets[i+1]``), and for JSON leaves
-``g<k>.json<j>`` (UTF-8 JSON lines, uint8) with ``g<k>.json<j>.offsets`` (int64
-``[N+1]`` byte offsets). The index maps each filename to its segments
+stored back to back, filenames in sorted order: ``g<k>:frame_idx`` (int64
+``[N]``), one tensor per leaf named by its path, ``g<k>.depth``, ``g<k>.det.boxes``
+(``[N, ...]``; for a ragged leaf its values, ``[sum N_i, ...]``, with
+``g<k>.det.boxes:offsets``, int64 ``[N+1]``: frame ``i``'s rows are
+``offsets[i] : offsets[i+1]``), and for JSON leaves their UTF-8 JSON lines (uint8)
+with ``:offsets`` (int64 ``[N+1]`` byte offsets); `tdgather._names` has the escaping
+rule. The index maps each filename to its segments
 (shard, group, first row, frame count), so reading one filename reads only its
 rows. A one-shot `save` gives each filename one segment; a streaming
 `tdgather.Collector` may give it one per shard it wrote while frames arrived.
@@ -38,6 +39,7 @@ import torch
 
 from ._dtypes import SAFETENSORS_CODE
 from ._gc import collection_paused
+from ._names import group_names
 from ._output import (
     FORMAT,
     INCOMPLETE_NAME,
@@ -168,7 +170,7 @@ class DatasetWriter:
         for shard in (s for s in shards if s):
             shard_name = f"shard-{len(self.shards):05d}.safetensors"
             groups, entries, segments = _shard_tensors(shard, shard_name)
-            meta = {"format": FORMAT, "shard": shard_name, "groups": json.dumps(groups)}
+            meta = {"format": FORMAT, "version": str(INDEX_VERSION), "shard": shard_name, "groups": json.dumps(groups)}
             write_safetensors(self.staging / shard_name, entries, meta, then=self._in_background(shard_name))
             for (name, layout, idx, _, _, runs, _), segment in zip(shard, segments, strict=True):
                 entry = self.files.setdefault(name, {"frames": 0, "segments": []})
@@ -408,30 +410,31 @@ def _shard_tensors(shard: list, shard_name: str) -> tuple[dict, list, list]:
     groups, entries, segment_of = {}, [], {}
     for g, (layout, items) in enumerate(by_layout.items()):
         key = f"g{g}"
+        names = group_names(key, layout, INDEX_VERSION)
         groups[key] = layout.to_json()
         row = 0
         for name, _, idx, *_ in items:
             segment_of[name] = {"shard": shard_name, "group": key, "start": row, "frames": idx.numel()}
             row += idx.numel()
-        entries.append((f"{key}.frame_idx", torch.int64, (row,), [x[2] for x in items]))
-        for j, leaf in enumerate(layout.leaves):
+        entries.append((names.frame_idx, torch.int64, (row,), [x[2] for x in items]))
+        for j, (name, leaf) in enumerate(zip(names.leaves, layout.leaves, strict=True)):
             column = [x[3][j] for x in items]
             if leaf.ragged:  # values, then offsets: frame i is rows offsets[i] : offsets[i + 1]
                 spans = [r.span() for r in joined(column)]
                 offsets = offsets_of(torch.cat([n for _, n in spans]))
                 values = [v for v, _ in spans]
-                entries.append((f"{key}.leaf{j}", leaf.dtype, (int(offsets[-1]), *leaf.shape), values))
-                entries.append((f"{key}.leaf{j}.offsets", torch.int64, (row + 1,), [offsets]))
+                entries.append((name, leaf.dtype, (int(offsets[-1]), *leaf.shape), values))
+                entries.append((names.offsets(name), torch.int64, (row + 1,), [offsets]))
             else:
-                entries.append((f"{key}.leaf{j}", leaf.dtype, (row, *leaf.shape), column))
-        for j in range(len(layout.nontensor)):
+                entries.append((name, leaf.dtype, (row, *leaf.shape), column))
+        for j, name in enumerate(names.json):
             lines = [
                 json.dumps(v, ensure_ascii=False, allow_nan=False).encode() + b"\n" for x in items for v in x[4][j]
             ]
             offsets = torch.tensor([0, *map(len, lines)], dtype=torch.int64).cumsum(0)
             blob = torch.frombuffer(bytearray(b"".join(lines)), dtype=torch.uint8)
-            entries.append((f"{key}.json{j}", torch.uint8, (blob.numel(),), [blob]))
-            entries.append((f"{key}.json{j}.offsets", torch.int64, (row + 1,), [offsets]))
+            entries.append((name, torch.uint8, (blob.numel(),), [blob]))
+            entries.append((names.offsets(name), torch.int64, (row + 1,), [offsets]))
     return groups, entries, [segment_of[item[0]] for item in shard]
 
 

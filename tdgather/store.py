@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ShapeMismatchError, UnsupportedValueError
-from .frames import Layout, RaggedSpec, flatten, ragged_hint
+from .frames import Layout, RaggedSpec, check_ragged_names, flatten, ragged_hint
 from .plan import Part
 from .ragged import Ragged
 
@@ -254,6 +254,7 @@ class FrameStore:
         other: dict[Layout, _Bucket] = {}
         spec = _ragged_spec(ragged) if ragged else frozenset()
         plain_ragged = spec is True or "" in spec  # a plain tensor's rows vary: keyed by the shape of a row
+        known: set[str] = set()  # the tensor leaves seen: each name in ragged= must be one of them somewhere
         for name, entry in predictions.items():
             for pair in _pairs(name, entry):
                 try:
@@ -270,14 +271,16 @@ class FrameStore:
                     bucket = fast.get(key)
                     if bucket is None:
                         where = f"filename {name!r}"
-                        layout = flatten([value], 1, where, spec)[0] if spec else flatten(value, None, where)[0]
+                        layout = flatten([value], 1, where, spec, False)[0] if spec else flatten(value, None, where)[0]
+                        known.update(".".join(leaf.path) for leaf in layout.leaves)
                         bucket = fast[key] = _Bucket(layout, "ragged" if spec else "stack")
                     bucket.names.append(name)
                     bucket.idx.append(fi)
                     bucket.leaves[0].append(value)
                 else:
                     if spec:  # a batch of one frame: its ragged leaves are Ragged, the others [1, ...]
-                        layout, tensors, json = flatten([value], 1, f"filename {name!r}", spec)
+                        layout, tensors, json = flatten([value], 1, f"filename {name!r}", spec, False)
+                        known.update(".".join(leaf.path) for leaf in layout.leaves)
                         json = [values[0] for values in json]
                     else:
                         layout, tensors, json = flatten(value, None, f"filename {name!r}")
@@ -288,6 +291,8 @@ class FrameStore:
                         lst.append(t)
                     for lst, v in zip(bucket.json, json, strict=True):
                         lst.append(v)
+        if known:
+            check_ragged_names(spec, known, "update()")
         buckets = [(b, _as_index(b.idx, "frame_idx", b.names)) for b in [*fast.values(), *other.values()]]
         claimed: dict[str, Layout] = {}
         for b, _ in buckets:

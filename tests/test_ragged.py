@@ -297,23 +297,23 @@ def test_a_plain_safetensors_reader_gets_values_and_offsets(tmp_path):
     index = json.loads((out / "tdgather.index.json").read_text())
     seg = index["files"]["v.mp4"]["segments"][0]
     with safe_open(out / seg["shard"], framework="pt") as f:
-        offsets = f.get_slice(f"{seg['group']}.leaf0.offsets")[seg["start"] : seg["start"] + seg["frames"] + 1]
-        values = f.get_slice(f"{seg['group']}.leaf0")[int(offsets[0]) : int(offsets[-1])]
+        offsets = f.get_slice(f"{seg['group']}.boxes:offsets")[seg["start"] : seg["start"] + seg["frames"] + 1]
+        values = f.get_slice(f"{seg['group']}.boxes")[int(offsets[0]) : int(offsets[-1])]
     assert offsets.tolist() == [0, 2, 2, 5, 6] and torch.equal(values, boxes.values)
 
 
 @pytest.mark.parametrize(
     "change,match",
     [
-        (lambda o: o[1:3].copy_(torch.tensor([5, 2])), r"g0.leaf0.offsets: expected non-decreasing offsets in 0..6"),
-        (lambda o: o[2].fill_(99), r"g0.leaf0.offsets: expected non-decreasing offsets in 0..6"),
-        (lambda o: o[4].fill_(5), r"g0.leaf0.offsets: expected first and last offsets \[0, 6\] \(the values' rows\)"),
+        (lambda o: o[1:3].copy_(torch.tensor([5, 2])), r"g0.boxes:offsets: expected non-decreasing offsets in 0..6"),
+        (lambda o: o[2].fill_(99), r"g0.boxes:offsets: expected non-decreasing offsets in 0..6"),
+        (lambda o: o[4].fill_(5), r"g0.boxes:offsets: expected first and last offsets \[0, 6\] \(the values' rows\)"),
     ],
 )
 def test_offsets_edited_on_disk_are_refused_before_the_values_are_read(tmp_path, change, match):
     out, _ = _saved(tmp_path)
     shard = next(out.glob("shard-*.safetensors")).name
-    rewrite_shard(out / shard, tensors=lambda t: change(t["g0.leaf0.offsets"]))
+    rewrite_shard(out / shard, tensors=lambda t: change(t["g0.boxes:offsets"]))
     with pytest.raises(DatasetError, match=match):
         tdgather.open(out)["v.mp4"]
 
@@ -321,11 +321,11 @@ def test_offsets_edited_on_disk_are_refused_before_the_values_are_read(tmp_path,
 def test_a_values_tensor_of_another_shape_is_refused(tmp_path):
     out, _ = _saved(tmp_path)
     shard = next(out.glob("shard-*.safetensors")).name
-    rewrite_shard(out / shard, tensors=lambda t: t.__setitem__("g0.leaf0", t["g0.leaf0"].reshape(-1, 2)))
-    with pytest.raises(DatasetError, match=r"g0.leaf0: expected float32\[N, 4\], got 'float32\[12, 2\]'"):
+    rewrite_shard(out / shard, tensors=lambda t: t.__setitem__("g0.boxes", t["g0.boxes"].reshape(-1, 2)))
+    with pytest.raises(DatasetError, match=r"g0.boxes: expected float32\[N, 4\], got 'float32\[12, 2\]'"):
         tdgather.open(out).verify()
-    rewrite_shard(out / shard, tensors=lambda t: t.__setitem__("g0.leaf0", t["g0.leaf0"].reshape(-1)))
-    with pytest.raises(DatasetError, match=r"g0.leaf0: expected float32\[N, 4\], got 'float32\[24\]'"):
+    rewrite_shard(out / shard, tensors=lambda t: t.__setitem__("g0.boxes", t["g0.boxes"].reshape(-1)))
+    with pytest.raises(DatasetError, match=r"g0.boxes: expected float32\[N, 4\], got 'float32\[24\]'"):
         tdgather.open(out).verify()
     assert os.path.isdir(out)
 

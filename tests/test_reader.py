@@ -296,12 +296,12 @@ def test_nan_in_the_index_is_refused(tmp_path, constant):
         tdgather.open(out)
 
 
-@pytest.mark.parametrize("version, got", [(2, "2"), (0, "0"), ("1", "'1'"), (True, "True"), (None, "None")])
+@pytest.mark.parametrize("version, got", [(3, "3"), (0, "0"), ("2", "'2'"), (True, "True"), (None, "None")])
 def test_an_unknown_version_is_refused_saying_which_this_tdgather_reads(tmp_path, version, got):
     out = save(tmp_path)
     edit(out, lambda index: index.update(version=version))
     with pytest.raises(
-        DatasetError, match=rf"version: expected 1 \(this tdgather reads index version 1 only\), got {got}"
+        DatasetError, match=rf"version: expected 1 or 2 \(this tdgather reads index version 1 or 2 only\), got {got}"
     ):
         tdgather.open(out)
 
@@ -530,21 +530,21 @@ def test_a_shard_whose_metadata_disagrees_with_the_index_is_refused(tmp_path, ch
     "change, match",
     [
         (
-            lambda t: t.update({"g0.leaf0": t["g0.leaf0"].double()}),
-            r"g0.leaf0: expected float32\[3, 2\], got 'float64\[3, 2\]'",
+            lambda t: t.update({"g0": t["g0"].double()}),
+            r"g0: expected float32\[3, 2\], got 'float64\[3, 2\]'",
         ),
         (
-            lambda t: t.update({"g0.leaf0": t["g0.leaf0"][:, :1]}),
-            r"g0.leaf0: expected float32\[3, 2\], got 'float32\[3, 1\]'",
+            lambda t: t.update({"g0": t["g0"][:, :1]}),
+            r"g0: expected float32\[3, 2\], got 'float32\[3, 1\]'",
         ),
-        (lambda t: t.pop("g0.frame_idx"), r"g0.frame_idx: expected int64\[N\], got 'no such tensor'"),
+        (lambda t: t.pop("g0:frame_idx"), r"g0:frame_idx: expected int64\[N\], got 'no such tensor'"),
         (
-            lambda t: t.update({"g0.frame_idx": t["g0.frame_idx"].int()}),
-            r"g0.frame_idx: expected int64\[N\], got 'int32\[3\]'",
+            lambda t: t.update({"g0:frame_idx": t["g0:frame_idx"].int()}),
+            r"g0:frame_idx: expected int64\[N\], got 'int32\[3\]'",
         ),
         (
-            lambda t: t.update({"g0.frame_idx": t["g0.frame_idx"][:, None]}),
-            r"g0.frame_idx: expected int64\[N\], got 'int64\[3, 1\]'",
+            lambda t: t.update({"g0:frame_idx": t["g0:frame_idx"][:, None]}),
+            r"g0:frame_idx: expected int64\[N\], got 'int64\[3, 1\]'",
         ),
         (
             lambda t: t.update({k: v[:2] for k, v in t.items()}),
@@ -570,20 +570,20 @@ def _json_shard(tmp_path):
     [
         (
             lambda o: o[1:3].copy_(o[1:3].flip(0).clone()),
-            r"g0.json0.offsets: expected non-decreasing offsets in 0..15 \(rows 0..3\)",
+            r"g0.meta.label:offsets: expected non-decreasing offsets in 0..15 \(rows 0..3\)",
         ),
         (
             lambda o: o[3].fill_(14),
-            r"g0.json0.offsets: expected first and last offsets \[0, 15\] \(the blob's length\), got \[0, 14\]",
+            r"g0.meta.label:offsets: expected first and last offsets \[0, 15\] \(the blob's length\), got \[0, 14\]",
         ),
-        (lambda o: o[0].fill_(-1), r"g0.json0.offsets: expected first and last offsets \[0, 15\]"),
-        (lambda o: o[1].fill_(99), r"g0.json0.offsets: expected non-decreasing offsets in 0..15"),
-        (lambda o: o[1].fill_(-5), r"g0.json0.offsets: expected non-decreasing offsets in 0..15"),
+        (lambda o: o[0].fill_(-1), r"g0.meta.label:offsets: expected first and last offsets \[0, 15\]"),
+        (lambda o: o[1].fill_(99), r"g0.meta.label:offsets: expected non-decreasing offsets in 0..15"),
+        (lambda o: o[1].fill_(-5), r"g0.meta.label:offsets: expected non-decreasing offsets in 0..15"),
     ],
 )
 def test_json_offsets_out_of_order_are_refused(tmp_path, change, match):
     out = _json_shard(tmp_path)
-    rewrite_shard(out / SHARD, tensors=lambda t: change(t["g0.json0.offsets"]))
+    rewrite_shard(out / SHARD, tensors=lambda t: change(t["g0.meta.label:offsets"]))
     with pytest.raises(DatasetError, match=r"shard-00000.safetensors: " + match):
         read_all(out)
 
@@ -591,12 +591,15 @@ def test_json_offsets_out_of_order_are_refused(tmp_path, change, match):
 @pytest.mark.parametrize(
     "line, match",
     [
-        (b"[12]\n", r"g0.json0 row 1: expected a JSON scalar \(str, int, finite float, bool or null\), got \[12\]"),
-        (b'"l1 \n', r"g0.json0 row 1: expected strict UTF-8 JSON"),
-        (b'"\xff" \n', r"g0.json0 row 1: expected strict UTF-8 JSON"),
-        (b"NaN \n", r"g0.json0 row 1: expected strict UTF-8 JSON .*NaN is not JSON"),
-        (b"1e999", r"g0.json0 row 1: expected a JSON scalar .*got inf"),
-        (b"1 2 \n", r"g0.json0 row 1: expected strict UTF-8 JSON"),
+        (
+            b"[12]\n",
+            r"g0.meta.label row 1: expected a JSON scalar \(str, int, finite float, bool or null\), got \[12\]",
+        ),
+        (b'"l1 \n', r"g0.meta.label row 1: expected strict UTF-8 JSON"),
+        (b'"\xff" \n', r"g0.meta.label row 1: expected strict UTF-8 JSON"),
+        (b"NaN \n", r"g0.meta.label row 1: expected strict UTF-8 JSON .*NaN is not JSON"),
+        (b"1e999", r"g0.meta.label row 1: expected a JSON scalar .*got inf"),
+        (b"1 2 \n", r"g0.meta.label row 1: expected strict UTF-8 JSON"),
     ],
 )
 def test_json_lines_must_be_json_scalars(tmp_path, line, match):
@@ -604,10 +607,10 @@ def test_json_lines_must_be_json_scalars(tmp_path, line, match):
     assert len(line) == 5  # '"l1"\n': the offsets stay right
 
     def put(t):
-        blob = bytearray(t["g0.json0"].numpy().tobytes())
+        blob = bytearray(t["g0.meta.label"].numpy().tobytes())
         assert blob[5:10] == b'"l1"\n'
         blob[5:10] = line
-        t["g0.json0"] = torch.frombuffer(blob, dtype=torch.uint8).clone()
+        t["g0.meta.label"] = torch.frombuffer(blob, dtype=torch.uint8).clone()
 
     rewrite_shard(out / SHARD, tensors=put)
     with pytest.raises(DatasetError, match=r"shard-00000.safetensors: " + match):
@@ -885,7 +888,7 @@ def test_swapped_shard_files_are_refused(tmp_path):
 def test_repeated_or_unordered_frame_idx_in_a_shard_is_refused(tmp_path):
     out = save(tmp_path, frames(n=4))
     tensors = load_file(out / SHARD)
-    tensors["g0.frame_idx"][1] = tensors["g0.frame_idx"][0]
+    tensors["g0:frame_idx"][1] = tensors["g0:frame_idx"][0]
     save_file(tensors, out / SHARD, metadata=safe_open(out / SHARD, "pt").metadata())
     with pytest.raises(
         DatasetError,
@@ -893,3 +896,79 @@ def test_repeated_or_unordered_frame_idx_in_a_shard_is_refused(tmp_path):
         r"once \(rows 0 and 1\), got \[0, 0\]",
     ):
         tdgather.open(out)["a"]
+
+
+# ---- tensor names (index version 2) and version 1 datasets ------------------------------------
+
+V1 = Path(__file__).parent / "fixtures" / "v1_dataset"
+
+
+def test_a_version_1_dataset_still_reads(tmp_path):
+    """tests/fixtures/v1_dataset was written by index version 1 (leaves named g0.leaf<j>), in two segments."""
+    ds = tdgather.open(V1)
+    assert ds.index["version"] == 1 and sorted(ds) == ["clip.mp4", "plain.mp4"]
+    clip = ds["clip.mp4"]
+    assert clip.frame_idx.tolist() == [0, 1, 2]
+    depth = torch.stack(
+        [torch.arange(6.0).reshape(2, 3), torch.full((2, 3), -1.0), torch.arange(6.0, 12.0).reshape(2, 3)]
+    )
+    assert torch.equal(clip.frames["depth"], depth)
+    assert list(clip.frames["label"]) == ["cat", "emu", "dog"]
+    boxes = clip.frames["boxes"]
+    assert boxes.offsets().tolist() == [0, 2, 5, 5]
+    assert torch.equal(
+        boxes.values(), torch.cat([torch.arange(8.0).reshape(2, 4), torch.arange(100.0, 112).reshape(3, 4)])
+    )
+    assert ds.lengths("clip.mp4")["boxes"].tolist() == [2, 3, 0]
+    plain = ds["plain.mp4"]
+    assert plain.frame_idx.tolist() == [0, 1] and plain.frames.dtype == torch.int16
+    assert plain.frames.tolist() == [[3, 4, 5], [0, 1, 2]]
+    ds.verify()
+    copy_ = shutil.copytree(V1, tmp_path / "v1")  # a v1 shard claiming version 2 names is refused, naming the tensor
+    rewrite_shard(copy_ / "shard-00001.safetensors", metadata=lambda m: m.update(version="2"))
+    with pytest.raises(DatasetError, match=r"shard-00001.safetensors: g0:frame_idx: expected int64\[N\], got 'no such"):
+        tdgather.open(copy_)["clip.mp4"]
+
+
+def test_tensor_names_say_what_is_inside_and_never_collide(tmp_path):
+    keys = {
+        "depth": torch.ones(2),
+        "det": {"boxes": torch.ones(3, 4)},
+        "d.x": torch.zeros(1),
+        "a:b": torch.ones(1),
+    }
+    keys |= {"50%": torch.ones(1), "": torch.ones(1), "é": torch.ones(1), "label": "x", "frame_idx": torch.ones(1)}
+    out = tdgather.save(
+        tdgather.gather({"v.mp4": [(0, keys)], "p.mp4": (0, torch.ones(3))}, ragged=["det.boxes"]), tmp_path / "ds"
+    )
+    with safe_open(out / SHARD, framework="pt") as f:
+        names = set(f.keys())
+        assert f.metadata()["version"] == "2"
+    group = {n.split(".")[0].split(":")[0] for n in names if "det" in n}.pop()
+    other = ({"g0", "g1"} - {group}).pop()
+    assert {n.removeprefix(group) for n in names if n.split(".")[0].split(":")[0] == group} == {
+        ":frame_idx",
+        ".depth",
+        ".det.boxes",
+        ".det.boxes:offsets",
+        ".d%2Ex",
+        ".a%3Ab",
+        ".50%25",
+        ".%",
+        ".%C3%A9",
+        ".label",
+        ".label:offsets",
+        ".frame_idx",
+    }
+    assert names - {n for n in names if n.startswith(group)} == {other, f"{other}:frame_idx"}  # a plain tensor
+    got = tdgather.open(out)["v.mp4"].frames[0]
+    for k in ["depth", "d.x", "a:b", "50%", "", "é", "frame_idx"]:
+        assert torch.equal(got[k], keys[k]), k
+    assert torch.equal(got["det", "boxes"], keys["det"]["boxes"]) and got["label"] == "x"
+
+
+def test_an_unknown_shard_version_is_refused(tmp_path):
+    out = save(tmp_path)
+    rewrite_shard(out / SHARD, metadata=lambda m: m.update(version="3"))
+    with pytest.raises(DatasetError, match=r"__metadata__.version: expected '1' or '2', got '3'"):
+        read_all(out)
