@@ -91,3 +91,73 @@ def test_inspect_checks_every_shard(tmp_path, capsys):
     shard.write_bytes(shard.read_bytes()[:-5])  # truncated
     assert main(["inspect", str(out)]) == 1
     assert "shard-00000.safetensors" in capsys.readouterr().err
+
+
+def _views_dataset(tmp_path):
+    writer = tdgather.sink.DatasetWriter(tmp_path / "ds")
+    frames = [(j, {"boxes": torch.full((j % 3, 4), float(j)), "x": torch.tensor([j, float("nan")])}) for j in range(4)]
+    frames += [(j, {"boxes": torch.zeros(1, 4), "x": torch.tensor([j, 1.0])}) for j in range(10, 13)]
+    writer.write(
+        tdgather.gather(
+            {"a.mp4": frames, "b.mp4": (0, {"boxes": torch.ones(2, 4), "x": torch.ones(2)})}, ragged=["boxes"]
+        )
+    )
+    writer.write(
+        tdgather.gather(
+            {"a.mp4": [(j, {"boxes": torch.zeros(0, 4), "x": torch.zeros(2)}) for j in (4, 20)]}, ragged=["boxes"]
+        )
+    )
+    return writer.commit()
+
+
+def test_inspect_shards_and_one_filename(tmp_path, capsys):
+    path = _views_dataset(tmp_path)
+    assert main(["inspect", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "total: 2 filenames, 10 frames" in text
+    assert "shard-00000.safetensors        8 frames" in text and "shard-00001.safetensors        2 frames" in text
+    assert main(["inspect", str(path), "--frames", "a.mp4"]) == 0
+    text = capsys.readouterr().out
+    assert "'a.mp4': 9 frames, {boxes: float32[*, 4], x: float32[2]}" in text
+    assert "frame_idx: 0-4, 10-12, 20" in text
+    assert "segment: shard-00000.safetensors g0 rows 0..7" in text and "segment: shard-00001.safetensors" in text
+    boxes = [line for line in text.splitlines() if line.startswith("boxes")][0]
+    assert "float32" in boxes and "[*, 4]" in boxes and "min 0, mean 0.833333, max 2, NaN 0" in boxes
+    assert "rows per frame min 0, mean 0.7, max 2" in text
+    x = [line for line in text.splitlines() if line.startswith("x ")][0]
+    assert "min 0, mean 3, max 12, NaN 4" in x
+    assert main(["inspect", str(path), "--frames", "nope.mp4"]) == 1
+    assert "'nope.mp4' is not in" in capsys.readouterr().err
+
+
+def test_inspect_duplicates_dropped(tmp_path, capsys):
+    store = tdgather.FrameStore()
+    store.add(["a", "a", "a"], [0, 1, 1], torch.zeros(3, 2))
+    tdgather.save(tdgather.gather(store), tmp_path / "ds")
+    assert main(["inspect", str(tmp_path / "ds")]) == 0
+    assert "duplicates dropped: 1 (exact 1, inexact 0, max abs diff 0.0)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("parquet", [False, True])
+def test_export_hf(tmp_path, capsys, parquet):
+    datasets = pytest.importorskip("datasets")
+    path = _views_dataset(tmp_path)
+    out = tmp_path / "hf"
+    assert main(["export-hf", str(path), str(out), *(["--parquet"] if parquet else [])]) == 0
+    text = capsys.readouterr().out
+    assert f"wrote 10 rows (2 filenames) to {out}" in text and "boxes: Array2D(shape=(None, 4)" in text
+    if parquet:
+        assert "data/train-00000-of-00001.parquet" in text
+        hf = datasets.load_dataset("parquet", data_dir=str(out / "data"), split="train", cache_dir=str(tmp_path / "c"))
+    else:
+        hf = datasets.load_from_disk(str(out))
+    assert not list(tmp_path.glob(".tdgather-hf-*"))  # the build cache is gone
+    assert hf.features["boxes"].shape == (None, 4) and hf.features["x"].length == 2
+    ds = tdgather.open(path)
+    rows = [(n, int(i), ds[n][k].frames) for n in sorted(ds) for k, i in enumerate(ds[n].frame_idx)]
+    for row, (name, idx, value) in zip(hf.with_format("torch"), rows, strict=True):
+        assert (row["filename"], int(row["frame_idx"])) == (name, idx)
+        assert torch.equal(row["boxes"].reshape(-1, 4), value["boxes"])
+        torch.testing.assert_close(row["x"], value["x"], rtol=0, atol=0, equal_nan=True)
+    assert main(["export-hf", str(path), str(out)]) == 1  # never replaces a directory
+    assert "exists" in capsys.readouterr().err

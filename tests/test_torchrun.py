@@ -11,6 +11,8 @@ import torch
 
 import tdgather
 
+from .procs import finish
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "predict.py")
 pytestmark = pytest.mark.world
@@ -27,21 +29,6 @@ def torchrun(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]:
-    """Wait for every invocation (killing them all past the timeout); return their output."""
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail("torchrun did not finish in time:\n" + "\n".join(p.communicate()[0] for p in procs))
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out
-    return outs
 
 
 def test_two_nodes_give_the_single_node_result(tmp_path):

@@ -1,0 +1,422 @@
+"""Other views of a saved dataset: one item per frame, for a DataLoader or Hugging Face ``datasets``.
+
+`FrameDataset` is a map-style ``torch.utils.data.Dataset`` over every frame of every filename
+(filenames sorted, frames by ``frame_idx``). It reads each segment's ``frame_idx`` once, at
+construction, and then each item reads only its own frame's rows. It holds no open file between
+items, so DataLoader workers (fork or spawn) can share it.
+
+`to_hf` builds a ``datasets.Dataset`` with one row per frame: ``filename``, ``frame_idx`` and
+one typed column per leaf. Everything read from disk goes through `tdgather.reader`'s checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.data
+
+from ._dtypes import dtype_name
+from .errors import DatasetError, TdgatherError
+from .frames import Layout, flatten, rebuild
+from .ragged import Ragged
+from .reader import Dataset, _rows
+
+__all__ = ["ExportError", "FrameDataset", "collate_frames", "frame_ranges", "hf_features", "to_hf"]
+
+TENSOR_COLUMN = "frames"  # the column of a filename whose frames are plain tensors (no keys)
+_RESERVED = ("filename", "frame_idx")
+# dtypes Arrow has no type for: stored as float32, which holds every one of their values exactly
+_WIDENED = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz}
+_MAX_ARRAY_DIMS = 5  # datasets has Array2D .. Array5D
+
+
+class ExportError(TdgatherError, ValueError):
+    """A dataset cannot be shown as one table: two filenames disagree on a column, or a name collides."""
+
+
+def _frame_idx_only(layout: Layout) -> Layout:
+    """A layout with no leaves: `_rows` then reads a segment's frame indexes and nothing else."""
+    return Layout(layout.kind, layout.cls, ())
+
+
+def _json_only(layout: Layout) -> Layout:
+    """A layout with only the JSON leaves: `_rows` then reads frame indexes and JSON lines."""
+    return Layout(layout.kind, layout.cls, (), layout.nontensor)
+
+
+class FrameDataset(torch.utils.data.Dataset):
+    """Every frame of a saved dataset as one item: ``{"filename", "frame_idx", "frames"}``.
+
+    Items are plain dicts, so the default collate (with ``batch_size=None``) and
+    `collate_frames` both take them; ``frames`` is what ``tdgather.open(path)[filename][k].frames``
+    gives: a tensor, or a TensorDict / tensorclass with batch size ``[]``, where a ragged leaf is
+    that frame's ``[N_k, ...]`` rows. Order: filenames sorted, then frames by ``frame_idx``.
+
+    Construction reads each segment's ``frame_idx`` (nothing else); an item reads only its
+    frame's rows (opening its filename's shards' headers, never their other rows). No file
+    stays open between items, so the object can be forked or pickled into DataLoader workers.
+
+    Attributes:
+        dataset: the `tdgather.Dataset`.
+        filenames: the filenames, sorted.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.filenames: list[str] = sorted(dataset)
+        starts, segments, rows, frame_idx = [0], [], [], []
+        for name in self.filenames:
+            seg, row, idx = _frame_map(dataset, name)
+            segments.append(seg)
+            rows.append(row)
+            frame_idx.append(idx)
+            starts.append(starts[-1] + idx.numel())
+        self._starts = torch.tensor(starts, dtype=torch.int64)
+        self._segment = torch.cat(segments) if segments else torch.zeros(0, dtype=torch.int32)
+        self._row = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+        self._frame_idx = torch.cat(frame_idx) if frame_idx else torch.zeros(0, dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def _position(self, i: Any) -> int:
+        """``i`` as a position in ``[0, len)``; IndexError outside ``[-len, len)``, TypeError for a non-integer."""
+        i, n = operator.index(i), len(self)
+        if not -n <= i < n:
+            raise IndexError(f"item {i} out of range for {n} frames")
+        return i % n
+
+    def locate(self, i: int) -> tuple[str, int]:
+        """Item ``i``'s ``(filename, frame_idx)``, without reading data."""
+        i = self._position(i)
+        f = int(torch.searchsorted(self._starts, i, right=True)) - 1
+        return self.filenames[f], int(self._frame_idx[i])
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        name, expected = self.locate(i)
+        i = self._position(i)
+        segment, row = int(self._segment[i]), int(self._row[i])
+        layout = self.dataset.layout(name)
+        for k, (f, c, group, lo, hi) in enumerate(self.dataset._segments(name)):
+            if k < segment:
+                continue
+            if not lo <= row < hi:
+                raise c.fail(f"{group} rows", f"row {row} inside {lo}..{hi}", "a segment changed since it was read")
+            idx, tensors, json_values = _rows(f, c, group, layout, row, row + 1)
+            if idx.tolist() != [expected]:
+                raise c.fail(f"{group} frame_idx row {row}", f"[{expected}] (as read at construction)", idx.tolist())
+            break
+        else:
+            raise DatasetError(str(self.dataset.path), f"files[{name!r}]", f"expected segment {segment}, got none")
+        value = rebuild(layout, 1, tensors, json_values)[0]
+        return {"filename": name, "frame_idx": expected, "frames": value}
+
+
+def _frame_map(dataset: Dataset, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One filename's frames in ``frame_idx`` order: their segment, their row in it, their ``frame_idx``.
+
+    Raises:
+        DatasetError: a segment with fewer rows than the index gives, or a frame stored twice.
+    """
+    layout = _frame_idx_only(dataset.layout(name))
+    segments, rows, idx = [], [], []
+    for k, (f, c, group, lo, hi) in enumerate(dataset._segments(name)):
+        got = _rows(f, c, group, layout, lo, hi)[0]
+        if got.numel() != hi - lo:
+            raise c.fail(f"{group} frame_idx", f"{hi - lo} rows from {lo}", got.numel())
+        idx.append(got)
+        rows.append(torch.arange(lo, hi, dtype=torch.int64))
+        segments.append(torch.full((hi - lo,), k, dtype=torch.int32))
+    idx_all = torch.cat(idx).to(torch.int64)
+    order = torch.argsort(idx_all, stable=True)
+    idx_all = idx_all[order]
+    if idx_all.numel() > 1 and not bool((idx_all[1:] > idx_all[:-1]).all()):
+        at = int((idx_all[1:] <= idx_all[:-1]).nonzero()[0])
+        raise DatasetError(
+            str(dataset.path),
+            f"files[{name!r}] frame_idx",
+            f"expected each frame once, got frame {int(idx_all[at])} twice",
+        )
+    return torch.cat(segments)[order], torch.cat(rows)[order], idx_all
+
+
+def collate_frames(items: Sequence[dict[str, Any]] | dict[str, Any]) -> dict[str, Any]:
+    """A DataLoader ``collate_fn`` for `FrameDataset` items that keeps each frame as it is.
+
+    torch's default collate and convert walk into a TensorDict as into a dict and fail on one
+    frame's (batch size ``[]``); pass this instead, with a ``batch_size`` or ``batch_size=None``.
+
+    Returns:
+        Given one item (``batch_size=None``): that item. Given a list of B items:
+        ``{"filename": [str], "frame_idx": LongTensor[B], "frames": [value, ...]}``: frames may
+        differ in layout (filenames) or rows (ragged leaves), so they are not stacked.
+    """
+    if isinstance(items, dict):
+        return items
+    return {
+        "filename": [x["filename"] for x in items],
+        "frame_idx": torch.tensor([x["frame_idx"] for x in items], dtype=torch.int64),
+        "frames": [x["frames"] for x in items],
+    }
+
+
+def frame_ranges(frame_idx: Sequence[int] | torch.Tensor) -> str:
+    """Sorted frame indexes as runs: ``"0-99, 120-140, 150"``.
+
+    >>> frame_ranges([0, 1, 2, 5, 7, 8])
+    '0-2, 5, 7-8'
+    """
+    values = frame_idx.tolist() if isinstance(frame_idx, torch.Tensor) else list(frame_idx)
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+# ---- Hugging Face datasets ----
+
+
+@dataclass(frozen=True)
+class _Column:
+    """One leaf column: where it is in a frame, what it holds, and the filename that first had it."""
+
+    path: tuple[str, ...]
+    dtype: torch.dtype | None  # None: a JSON leaf
+    shape: tuple[int, ...]
+    ragged: bool
+    first: str
+
+    def signature(self) -> tuple:
+        return self.dtype, self.shape, self.ragged
+
+    def describe(self) -> str:
+        if self.dtype is None:
+            return "json"
+        return f"{dtype_name(self.dtype)}[{', '.join(['*'] * self.ragged + [str(d) for d in self.shape])}]"
+
+
+def _columns(dataset: Dataset, names: Sequence[str]) -> dict[str, _Column]:
+    """Every leaf of every filename as a column (dotted key; a plain tensor frame is ``frames``).
+
+    Raises:
+        ExportError: a column named ``filename``/``frame_idx``, or two filenames whose leaves of
+            one name differ in dtype, shape or raggedness.
+    """
+    out: dict[str, _Column] = {}
+    for name in names:
+        layout = dataset.layout(name)
+        found = [_Column(x.path, x.dtype, x.shape, x.ragged, name) for x in layout.leaves]
+        found += [_Column(p, None, (), False, name) for p in layout.nontensor]
+        for col in found:
+            label = ".".join(col.path) or TENSOR_COLUMN
+            if label in _RESERVED:
+                raise ExportError(f"{name!r}: a leaf named {label!r} would collide with the {label!r} column")
+            seen = out.setdefault(label, col)
+            if seen.signature() != col.signature():
+                raise ExportError(
+                    f"column {label!r} is {seen.describe()} in {seen.first!r} but {col.describe()} in {name!r}: "
+                    "one table needs one type per column; export those filenames apart (filenames=[...])"
+                )
+    return dict(sorted(out.items()))
+
+
+def _value_dtype(dtype: torch.dtype) -> str:
+    """The Arrow value type of a tensor dtype (widened where Arrow has none)."""
+    if dtype in _WIDENED or dtype == torch.complex64:
+        return "float32"
+    name = dtype_name(dtype)
+    if name is None or name.startswith(("complex", "float8")):
+        raise ExportError(f"dtype {dtype} has no Hugging Face datasets type")
+    return name
+
+
+def _stored_shape(col: _Column) -> tuple[int, ...]:
+    """The per-frame (per-row, when ragged) shape as stored: complex64 gains a last dim of 2."""
+    return (*col.shape, 2) if col.dtype == torch.complex64 else col.shape
+
+
+def _tensor_feature(value: str, shape: tuple[int, ...], ragged: bool) -> Any:
+    """The ``datasets`` feature of a tensor leaf: Value, List, ArrayND, or nested fixed Lists."""
+    from datasets import Array2D, Array3D, Array4D, Array5D, List, Value
+
+    arrays = {2: Array2D, 3: Array3D, 4: Array4D, 5: Array5D}
+    dims = (None, *shape) if ragged else shape
+    if 2 <= len(dims) <= _MAX_ARRAY_DIMS and all(d > 0 for d in shape):  # ArrayND: None only first
+        return arrays[len(dims)](shape=dims, dtype=value)
+    feature: Any = Value(value)
+    for d in reversed(shape):
+        feature = List(feature, length=d)
+    return List(feature) if ragged else feature
+
+
+def _json_feature(values: list[Any]) -> Any:
+    """A JSON leaf's feature: its type when every non-null value has one (str, bool, int64, float64), else Json."""
+    from datasets import Json, Value
+
+    kinds = {type(v) for v in values if v is not None}
+    if kinds == {str}:
+        return Value("string")
+    if kinds == {bool}:
+        return Value("bool")
+    if kinds == {int} and all(v is None or -(2**63) <= v < 2**63 for v in values):
+        return Value("int64")
+    if kinds == {float}:
+        return Value("float64")
+    return Json()  # mixed types (1 and 1.0 stay apart), huge ints, or no value at all
+
+
+def _json_values(dataset: Dataset, names: Sequence[str], columns: dict[str, _Column]) -> dict[str, list]:
+    """Every JSON leaf's values over ``names`` (reading JSON lines only), per column."""
+    out: dict[str, list] = {label: [] for label, col in columns.items() if col.dtype is None}
+    for name in names:
+        layout = dataset.layout(name)
+        if not layout.nontensor:
+            continue
+        only = _json_only(layout)
+        for f, c, group, lo, hi in dataset._segments(name):
+            _, _, json_values = _rows(f, c, group, only, lo, hi)
+            for path, values in zip(layout.nontensor, json_values, strict=True):
+                out[".".join(path)].extend(values)
+    return out
+
+
+def hf_features(dataset: Dataset, filenames: Sequence[str] | None = None) -> tuple[Any, dict[str, str]]:
+    """The ``datasets.Features`` `to_hf` gives, and the columns whose dtype it converts.
+
+    Returns:
+        ``(features, converted)``: ``converted`` maps a column to ``"bfloat16 -> float32"`` and the like.
+    """
+    from datasets import Features, Value
+
+    names = _names(dataset, filenames)
+    columns = _columns(dataset, names)
+    json_values = _json_values(dataset, names, columns)
+    features: dict[str, Any] = {"filename": Value("string"), "frame_idx": Value("int64")}
+    converted = {}
+    for label, col in columns.items():
+        if col.dtype is None:
+            features[label] = _json_feature(json_values[label])
+            continue
+        value = _value_dtype(col.dtype)
+        features[label] = _tensor_feature(value, _stored_shape(col), col.ragged)
+        if value != dtype_name(col.dtype):
+            extra = " (real, imag as a last dim of 2)" if col.dtype == torch.complex64 else ""
+            converted[label] = f"{dtype_name(col.dtype)} -> {value}{extra}"
+    return Features(features), converted
+
+
+def _names(dataset: Dataset, filenames: Sequence[str] | None) -> list[str]:
+    if filenames is None:
+        return sorted(dataset)
+    missing = [n for n in filenames if n not in dataset]
+    if missing:
+        raise KeyError(f"not in the dataset: {missing[:5]}")
+    return sorted(set(filenames))
+
+
+def _numpy(t: torch.Tensor) -> Any:
+    """A leaf's data as numpy, in its stored dtype (`_value_dtype`)."""
+    if t.dtype in _WIDENED:
+        t = t.to(torch.float32)
+    elif t.dtype == torch.complex64:
+        t = torch.view_as_real(t.resolve_conj())
+    return t.contiguous().numpy()
+
+
+def _rows_of(dataset: Dataset, name: str, labels: Sequence[str]) -> Iterator[dict[str, Any]]:
+    """One filename's frames as rows: ``filename``, ``frame_idx`` and a value (or None) per column."""
+    frames = dataset[name]
+    count = frames.frame_idx.numel()
+    layout, tensors, json_values = flatten(frames.frames, count, name)
+    cells: dict[str, Any] = {}
+    for leaf, t in zip(layout.leaves, tensors, strict=True):
+        label = ".".join(leaf.path) or TENSOR_COLUMN
+        if isinstance(t, Ragged):
+            values, bounds = _numpy(t.values), (t.offsets - t.offsets[0]).tolist()
+            cells[label] = [values[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        else:
+            cells[label] = _numpy(t)
+    for path, values in zip(layout.nontensor, json_values, strict=True):
+        cells[".".join(path)] = values
+    for k, idx in enumerate(frames.frame_idx.tolist()):
+        row = {"filename": name, "frame_idx": idx}
+        for label in labels:
+            column = cells.get(label)
+            row[label] = None if column is None else column[k]
+        yield row
+
+
+def _generate(dataset: Dataset, names: list[str], labels: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    for name in names:
+        yield from _rows_of(dataset, name, labels)
+
+
+def _fingerprint(dataset: Dataset, names: Sequence[str], features: Any) -> str:
+    """What the rows depend on: the index, each shard's size and mtime, the filenames and features."""
+    h = hashlib.sha256(json.dumps(dataset.index, sort_keys=True).encode())
+    for shard in sorted(dataset.index["shards"]):
+        st = os.stat(dataset.path / shard)
+        h.update(f"{shard}:{st.st_size}:{st.st_mtime_ns};".encode())
+    h.update(json.dumps(list(names)).encode())
+    h.update(json.dumps(features.to_dict(), sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+def to_hf(
+    dataset: Dataset, cache_dir: str | os.PathLike | None = None, *, filenames: Sequence[str] | None = None
+) -> Any:
+    """The frames as a Hugging Face ``datasets.Dataset``, one row per frame (needs ``pip install tdgather[hf]``).
+
+    Columns: ``filename`` (string), ``frame_idx`` (int64), then one per leaf, by dotted key
+    (a filename whose frames are plain tensors fills ``frames``); a filename without a leaf has
+    None there. Features are typed: a scalar leaf is a ``Value``, a ``[n]`` leaf a
+    ``List(Value, length=n)``, 2 to 5 dims an ``Array2D``..``Array5D``; a ragged leaf with rows
+    ``[...]`` is an ``ArrayND`` whose first dim is None (``List(Value)`` for scalar rows). A
+    JSON leaf is a ``Value`` of its type (string, bool, int64, float64) when every value has
+    that one type, else ``Json()``.
+
+    Dtypes Arrow lacks are converted, never refused, and listed in ``info.description``:
+    bfloat16 and the float8 types become float32 (which holds each of their values exactly);
+    complex64 becomes float32 with a last dim of 2 (real, imag). Every other dtype is kept.
+
+    Args:
+        dataset: an open `tdgather.Dataset`.
+        cache_dir: where ``datasets`` writes its Arrow files; the result is memory-mapped from
+            there and reused while the dataset on disk is unchanged. None: built in a temporary
+            directory, loaded into memory, and the directory removed (nothing under your home).
+        filenames: export only these filenames (default: all).
+
+    Raises:
+        ImportError: ``datasets`` is not installed.
+        ExportError: two filenames give one column different types (export them apart).
+    """
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("tdgather's to_hf needs Hugging Face datasets: pip install 'tdgather[hf]'") from e
+    names = _names(dataset, filenames)
+    features, converted = hf_features(dataset, names)
+    labels = [k for k in features if k not in _RESERVED]
+    kwargs = {
+        "features": features,
+        "gen_kwargs": {"dataset": dataset, "names": names, "labels": tuple(labels)},  # one list: the shards
+        "fingerprint": _fingerprint(dataset, names, features),
+    }
+    if cache_dir is None:
+        with tempfile.TemporaryDirectory(prefix="tdgather-hf-") as tmp:
+            out = datasets.Dataset.from_generator(_generate, cache_dir=tmp, keep_in_memory=True, **kwargs)
+    else:
+        out = datasets.Dataset.from_generator(_generate, cache_dir=os.fspath(cache_dir), **kwargs)
+    out.info.description = json.dumps({"tdgather": {"source": str(dataset.path), "converted": converted}})
+    return out

@@ -1,0 +1,197 @@
+"""`tdgather.views`: one item per frame (`FrameDataset`, a DataLoader) and Hugging Face datasets (`to_hf`)."""
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDictBase
+from torch.utils.data import DataLoader
+
+import tdgather
+from tdgather.sink import DatasetWriter
+from tdgather.views import ExportError, FrameDataset, collate_frames, frame_ranges
+
+V1 = Path(__file__).parent / "fixtures" / "v1_dataset"
+
+
+def _dets(n: int, g: torch.Generator) -> dict:
+    return {
+        "boxes": torch.rand(n, 4, generator=g),
+        "scores": torch.rand(n, generator=g).to(torch.bfloat16),
+        "emb": {"v": torch.randint(-9, 9, (3, 2), generator=g, dtype=torch.int16)},
+        "label": f"n={n}",
+    }
+
+
+def _write(path: Path) -> Path:
+    """Two calls to one writer: ``b.mp4`` gets two segments in two shards, its frames interleaved."""
+    g = torch.Generator().manual_seed(0)
+    w = DatasetWriter(path)
+    first = {
+        "b.mp4": [(j, _dets(j % 3, g)) for j in (0, 2, 4, 6)],
+        "a.mp4": [(j, _dets(1 + j % 2, g)) for j in range(3)],
+        "plain.mp4": [(j, torch.rand(2, 2, generator=g)) for j in (5, 9)],
+    }
+    w.write(tdgather.gather(first, ragged=["boxes", "scores"]))
+    w.write(tdgather.gather({"b.mp4": [(j, _dets(j % 4, g)) for j in (1, 3, 5)]}, ragged=["boxes", "scores"]))
+    return w.commit()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory.mktemp("views") / "ds")
+
+
+def _expected(ds) -> list[tuple[str, int, object]]:
+    return [(n, int(i), ds[n][k].frames) for n in sorted(ds) for k, i in enumerate(ds[n].frame_idx)]
+
+
+def _same(got, want) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+        return
+    assert isinstance(got, TensorDictBase) and got.batch_size == want.batch_size == torch.Size([])
+    keys = sorted(k if isinstance(k, tuple) else (k,) for k in want.keys(True, True))
+    assert sorted(k if isinstance(k, tuple) else (k,) for k in got.keys(True, True)) == keys
+    for k in keys:
+        a, b = got.get(k), want.get(k)
+        if isinstance(b, torch.Tensor):
+            _same(a, b)
+        else:
+            assert got[k] == want[k]
+
+
+def test_per_frame_equals_open(saved):
+    ds = tdgather.open(saved)
+    assert len(ds._files["b.mp4"]["segments"]) == 2  # the case this is about
+    fd = ds.per_frame()
+    want = _expected(ds)
+    assert len(fd) == len(want) == 12
+    for i, (name, idx, value) in enumerate(want):
+        item = fd[i]
+        assert (item["filename"], item["frame_idx"]) == (name, idx) == fd.locate(i)
+        _same(item["frames"], value)
+    assert [fd.locate(i)[1] for i in range(3, 10)] == list(range(7))  # b.mp4, merged over its segments
+    assert fd[3]["frames"]["boxes"].shape == (0, 4) and fd[4]["frames"]["boxes"].shape == (1, 4)
+    _same(fd[-1]["frames"], want[-1][2])
+    with pytest.raises(IndexError):
+        fd[12]
+    assert len(list(fd)) == 12  # iteration stops at IndexError
+
+
+def test_per_frame_reads_v1_fixture():
+    ds = tdgather.open(V1)
+    fd = FrameDataset(ds)
+    for i, (name, idx, value) in enumerate(_expected(ds)):
+        assert fd.locate(i) == (name, idx)
+        _same(fd[i]["frames"], value)
+
+
+def test_per_frame_in_dataloader_workers(saved):
+    fd = tdgather.open(saved).per_frame()
+    want = _expected(tdgather.open(saved))
+    loader = DataLoader(fd, batch_size=3, num_workers=2, collate_fn=collate_frames)
+    got = [(n, int(i), v) for b in loader for n, i, v in zip(b["filename"], b["frame_idx"], b["frames"], strict=True)]
+    assert [(n, i) for n, i, _ in got] == [(n, i) for n, i, _ in want]
+    for (_, _, a), (_, _, b) in zip(got, want, strict=True):
+        _same(a, b)
+    single = DataLoader(fd, batch_size=None, num_workers=2, collate_fn=collate_frames)
+    assert [(x["filename"], x["frame_idx"]) for x in single] == [(n, i) for n, i, _ in want]
+    copy = pickle.loads(pickle.dumps(fd))  # what spawn / forkserver workers get: no open file inside
+    _same(copy[5]["frames"], want[5][2])
+
+
+def test_per_frame_refuses_a_dataset_replaced_under_it(tmp_path):
+    path = tdgather.save(tdgather.gather({"a": [(j, torch.full((2,), j)) for j in range(4)]}), tmp_path / "ds")
+    fd = tdgather.open(path).per_frame()
+    assert fd[1]["frames"].tolist() == [1, 1]
+    tdgather.save(tdgather.gather({"a": [(j + 10, torch.full((2,), j)) for j in range(4)]}), path, overwrite=True)
+    with pytest.raises(tdgather.DatasetError, match=r"expected \[1\] \(as read at construction\), got \[11\]"):
+        fd[1]
+
+
+def test_frame_ranges():
+    assert frame_ranges(torch.tensor([0, 1, 2, 3, 10, 12, 13])) == "0-3, 10, 12-13"
+    assert frame_ranges([]) == ""
+
+
+# ---- Hugging Face datasets ----
+
+
+def _as_tensor(value, like: torch.Tensor) -> torch.Tensor:
+    """An HF cell back as a tensor of ``like``'s dtype (widened dtypes come back exactly)."""
+    arr = np.asarray(value, dtype=np.float32 if like.dtype == torch.bfloat16 else None)
+    t = torch.from_numpy(arr.reshape(like.shape) if arr.size == like.numel() else arr)
+    assert t.to(like.dtype).to(t.dtype).equal(t), "the conversion lost bits"
+    return t.to(like.dtype)
+
+
+def test_to_hf_every_row_and_dtype(saved, tmp_path):
+    ds = tdgather.open(saved)
+    hf = ds.to_hf(cache_dir=tmp_path / "cache")
+    assert (tmp_path / "cache").exists() and len(hf) == 12
+    f = hf.features
+    assert f["filename"].dtype == "string" and f["frame_idx"].dtype == "int64"
+    assert type(f["boxes"]).__name__ == "Array2D" and f["boxes"].shape == (None, 4)
+    assert type(f["scores"]).__name__ == "List" and f["scores"].feature.dtype == "float32"  # bfloat16, widened
+    assert f["emb.v"].shape == (3, 2) and f["emb.v"].dtype == "int16"
+    assert f["frames"].shape == (2, 2) and f["label"].dtype == "string"
+    assert "bfloat16 -> float32" in hf.info.description
+    for row, (name, idx, value) in zip(hf, _expected(ds), strict=True):
+        assert (row["filename"], row["frame_idx"]) == (name, idx)
+        if isinstance(value, torch.Tensor):  # plain.mp4: no tree leaves
+            assert torch.equal(_as_tensor(row["frames"], value), value)
+            assert row["label"] is None
+            continue
+        for key in ("boxes", "scores", "emb.v"):
+            want = value.get(tuple(key.split(".")))
+            assert torch.equal(_as_tensor(row[key], want), want), (name, idx, key)
+        assert row["label"] == value["label"]
+    assert hf.data.column("boxes").null_count == 2 and hf.data.column("frames").null_count == 10  # null: no leaf
+    again = ds.to_hf(cache_dir=tmp_path / "cache")  # unchanged dataset: the cache is reused
+    assert again.cache_files == hf.cache_files
+
+
+def test_to_hf_other_dtypes_and_json_types(tmp_path):
+    frames = {
+        "a": [
+            (
+                j,
+                {
+                    "f8": torch.tensor([0.5, -2.0, 448.0]).to(torch.float8_e4m3fn),
+                    "c": torch.tensor([1 + 2j, -3j], dtype=torch.complex64),
+                    "u": torch.tensor([2**64 - 1, 0], dtype=torch.uint64),
+                    "h": torch.tensor(1.5, dtype=torch.float16),
+                    "b": torch.tensor([True, False]),
+                    "n": j,
+                    "mixed": [1, 1.0, None][j],
+                },
+            )
+            for j in range(3)
+        ]
+    }
+    ds = tdgather.open(tdgather.save(tdgather.gather(frames), tmp_path / "ds"))
+    hf = ds.to_hf()  # in memory: nothing under home, the temporary directory removed
+    assert hf.cache_files == []
+    assert hf.features["n"].dtype == "int64" and type(hf.features["mixed"]).__name__ == "Json"
+    assert hf.features["u"].feature.dtype == "uint64" and hf.features["h"].dtype == "float16"
+    hf = hf.with_format("numpy")
+    for j, row in enumerate(hf):
+        assert row["f8"].tolist() == [0.5, -2.0, 448.0] and row["c"].tolist() == [[1, 2], [0, -3]]
+        assert row["b"].tolist() == [True, False] and row["n"] == j
+    assert hf.with_format(None)["u"] == [[2**64 - 1, 0]] * 3  # exact (the numpy format casts ints to int64)
+    assert [x for x in hf.with_format(None)["mixed"]] == [1, 1.0, None]
+    assert type(hf.with_format(None)["mixed"][1]) is float
+
+
+def test_to_hf_refuses_columns_that_disagree(tmp_path):
+    frames = {"a": (0, {"x": torch.zeros(2)}), "b": (0, {"x": torch.zeros(3)})}
+    ds = tdgather.open(tdgather.save(tdgather.gather(frames), tmp_path / "ds"))
+    with pytest.raises(ExportError, match=r"column 'x' is float32\[2\] in 'a' but float32\[3\] in 'b'"):
+        ds.to_hf()
+    assert len(ds.to_hf(filenames=["b"])) == 1
+    clash = {"a": (0, {"frame_idx": torch.zeros(2)})}
+    with pytest.raises(ExportError, match="collide"):
+        tdgather.open(tdgather.save(tdgather.gather(clash), tmp_path / "clash")).to_hf()
