@@ -45,8 +45,10 @@ with ``{dataloader_idx}`` ("out/preds_{dataloader_idx}"); with one dataloader it
 Failures. On an exception (``on_exception``) the open Collector is aborted: every rank raises (the
 failing rank its own error, the others `tdgather.PeerError`), and what reached rank 0 is kept in
 ``<path>.partial/`` (``tdgather.open(path, incomplete=True)``). Launchers end every process once
-one exits with an error (Lightning's ``ddp`` launcher within 5 s, ``ddp_spawn`` and torchrun at
-once), which may stop rank 0 before it has written that list when another rank failed.
+one exits with an error (Lightning's ``ddp`` launcher within 5 s, torchrun at once), so rank 0
+answers a rank that failed only once it has listed what it saved: the failing rank's abort returns
+after that. Under ``ddp_spawn`` Lightning calls no ``on_exception`` in its workers, and torch's
+spawn ends the others at once: there a failure may leave ``.partial`` unlisted.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from ._output import remove_ours
 from .duplicates import DuplicateCounts, DuplicatePolicy
-from .errors import DuplicateFrameError, PeerLostError
+from .errors import DuplicateFrameError, PeerError, PeerLostError
 from .merge import merge
 from .pack import pack
 from .plan import Mismatches
@@ -329,6 +329,9 @@ class Destination(_Side):
         self.write_failed = False
         self.received = dict.fromkeys(sorted([rank, *peers]), 0)
         self.received_bytes = dict.fromkeys(sorted([rank, *peers]), 0)
+        # peers that failed themselves: answered only once what they sent is saved, so that they stay
+        # alive until then (launchers stop every process as soon as one exits with an error)
+        self.held: set[int] = set()
         self.duplicates = DuplicateCounts()  # dropped within spills; the writer counts those against the disk
         self.pool = BufferPool(col.pool_bytes)  # received buffers, reused within the budget
         try:
@@ -386,6 +389,8 @@ class Destination(_Side):
             end = e
             if isinstance(e, PeerLostError):
                 self.answers.lost.add(peer)
+            elif isinstance(e, PeerError) and e.rank == peer:
+                self.held.add(peer)
         self.queue.put(("end", peer, end))  # the writer consumes until every source has ended
 
     def _write_loop(self) -> None:
@@ -461,8 +466,8 @@ class Destination(_Side):
         self.bar.update(frames)
 
     def _fail(self, e: BaseException) -> None:
-        if self.fail(e):
-            self.answers.answer_all(Kind.ERROR, error_header(e))  # every sender learns at once
+        if self.fail(e):  # every sender learns at once; one that failed itself, after its frames are saved
+            self.answers.answer_all(Kind.ERROR, error_header(e), skip=self.held)
 
     def close(self) -> CollectorSummary:
         """Flush its own frames, wait for every peer, commit the index, answer ``done``; return the summary."""
@@ -515,9 +520,12 @@ class Destination(_Side):
         self.writer_thread.join()
         for t in self.receivers:
             t.join()
-        self.answers.stop()
         self.bar.close()
         dups = self.all_duplicates
         meta = {"frames_per_rank": self.received, "duplicates_dropped": dups.dropped, "duplicates": dups.to_json()}
-        with contextlib.suppress(OSError):  # the original error matters more than the list of what was saved
-            self.writer.abort(self.failure, meta)
+        try:
+            with contextlib.suppress(OSError):  # the original error matters more than the list of what was saved
+                self.writer.abort(self.failure, meta)
+        finally:
+            self.answers.answer_all(Kind.ERROR, error_header(self.failure))  # the held peers: saved now
+            self.answers.stop()

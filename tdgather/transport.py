@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -355,11 +355,14 @@ class Answers:
                 lost.add(peer)
         return lost
 
-    def answer_all(self, kind: Kind, header: dict | Callable[[int], dict]) -> None:
-        """The final answer (one header, or one per peer) to every peer not yet answered nor lost; never raises."""
+    def answer_all(self, kind: Kind, header: dict | Callable[[int], dict], skip: Collection[int] = ()) -> None:
+        """The final answer (one header, or one per peer) to every peer not yet answered, lost or in ``skip``.
+
+        Never raises.
+        """
         for peer, ch in self.channels.items():
             with self.lock:
-                if peer in self.lost or peer in self.answered:
+                if peer in self.lost or peer in self.answered or peer in skip:
                     continue
                 self.answered.add(peer)
                 try:

@@ -7,6 +7,7 @@ The functions named ``case_*`` run inside every rank of a local gloo world
 
 from __future__ import annotations
 
+import os
 import sys
 import zlib
 
@@ -407,7 +408,10 @@ def case_stream_error(out: str, failing_rank: int) -> dict:
                     raise RuntimeError(f"boom on rank {rank}")
                 col.add(names, idx, frames)
     except Exception as e:
-        return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
+        # a launcher stops every process once one exits with an error: by the time the failing rank's
+        # Collector returns, rank 0 has listed what it saved
+        listed = os.path.exists(os.path.join(out + ".partial", "tdgather.incomplete.json"))
+        return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None), "listed": listed}
     return {"type": None}
 
 

@@ -102,7 +102,8 @@ def run(case: str, out: Path, devices: int) -> None:
     record = {"rank": rank, "error": type(error).__name__ if error else None, "message": str(error or "")}
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     if case == "fail" and rank != 0:
-        # Lightning's ddp launcher SIGKILLs rank 0 once another rank exits with an error: let rank 0 record first
+        # Lightning's ddp launcher SIGKILLs rank 0 once another rank exits with an error: let rank 0 write this
+        # test's record first (tdgather's own list of what it saved is written before rank 1's abort returns)
         deadline = time.monotonic() + 30
         while not (out / "rank0.json").exists() and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -55,6 +55,7 @@ def test_rank0_memory_stays_under_the_budget(tmp_path, ragged):
 def test_error_inside_the_block(tmp_path, failing):
     out = run_local_world(cases.case_stream_error, 3, str(tmp_path / "ds"), failing, timeout=180)
     assert out[failing]["type"] == "RuntimeError" and f"boom on rank {failing}" in out[failing]["message"]
+    assert out[failing]["listed"]  # rank 0 answered the failing rank only once the partial was listed
     if failing != 0:
         assert out[0]["type"] == "PeerError" and out[0]["rank"] == failing
         assert f"rank {failing} failed with RuntimeError: boom" in out[0]["message"]
