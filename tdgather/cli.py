@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -122,7 +123,7 @@ def _inspect_frames(ds: Any, name: str) -> int:
     """One filename: its frame indexes as runs, its segments, and each leaf's value statistics."""
     from .frames import flatten
     from .ragged import Ragged
-    from .views import TENSOR_COLUMN, frame_ranges
+    from .views import column_label, frame_ranges
 
     if name not in ds:
         print(f"tdgather: {name!r} is not in {str(ds.path)!r} ({len(ds)} filenames)", file=sys.stderr)
@@ -136,7 +137,7 @@ def _inspect_frames(ds: Any, name: str) -> int:
     layout, tensors, json_values = flatten(frames.frames, count, name)
     print(f"{'leaf':<20} {'dtype':<16} {'shape':<14} statistics")
     for leaf, t in zip(layout.leaves, tensors, strict=True):
-        label = ".".join(leaf.path) or TENSOR_COLUMN
+        label = column_label(leaf.path)
         values = t.values[int(t.offsets[0]) : int(t.offsets[-1])] if isinstance(t, Ragged) else t
         print(f"{label:<20} {str(leaf.dtype).removeprefix('torch.'):<16} {leaf.dims():<14} {_stats(values)}")
         if isinstance(t, Ragged):
@@ -147,7 +148,8 @@ def _inspect_frames(ds: Any, name: str) -> int:
         kinds = sorted({type(v).__name__ for v in values})
         distinct = {repr(v) for v in values}
         examples = ", ".join(sorted(distinct)[:3])
-        print(f"{'.'.join(path):<20} {'json':<16} {'':<14} {len(distinct)} distinct ({'/'.join(kinds)}): {examples}")
+        label = column_label(path)
+        print(f"{label:<20} {'json':<16} {'':<14} {len(distinct)} distinct ({'/'.join(kinds)}): {examples}")
     return 0
 
 
@@ -183,10 +185,13 @@ def _export_hf(args: argparse.Namespace) -> int:
     if out.exists():
         print(f"tdgather: {str(out)!r} exists; choose a new directory (export-hf never replaces one)", file=sys.stderr)
         return 1
+    if Path(os.path.realpath(out)).is_relative_to(os.path.realpath(args.path)):
+        print(f"tdgather: {str(out)!r} is inside the dataset {args.path!r}; write it beside", file=sys.stderr)
+        return 1
     ds = Dataset(args.path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".tdgather-hf-", dir=out.parent) as cache:  # beside OUT, not in ~
-        hf = to_hf(ds, cache_dir=cache)
+        hf = to_hf(ds, cache_dir=cache, filenames=args.filenames)
         if args.parquet:
             written = _write_parquet(hf, out, args.shard_bytes)
             how = f"datasets.load_dataset('parquet', data_dir={str(out / 'data')!r})"
@@ -194,7 +199,8 @@ def _export_hf(args: argparse.Namespace) -> int:
             hf.save_to_disk(str(out))
             written = sorted(p for p in out.rglob("*") if p.is_file())
             how = f"datasets.load_from_disk({str(out)!r})"
-    print(f"wrote {len(hf)} rows ({len(ds)} filenames) to {out}:")
+    files = len(set(args.filenames)) if args.filenames else len(ds)
+    print(f"wrote {len(hf)} rows ({files} filenames) to {out}:")
     for p in written:
         print(f"  {p.relative_to(out)}  {_size(p.stat().st_size)}")
     print("columns:")
@@ -250,6 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     export.add_argument(
         "--shard-bytes", type=_positive, default=500_000_000, help="Parquet bytes per shard (default 500 MB)"
+    )
+    export.add_argument(
+        "--filenames", nargs="+", metavar="FILENAME", help="export only these (filenames whose layouts differ: apart)"
     )
     export.set_defaults(run=_export_hf)
     argv = list(sys.argv[1:] if argv is None else argv)

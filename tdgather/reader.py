@@ -217,17 +217,26 @@ def _span(f: Any, c: Check, names: GroupNames, name: str, lo: int, hi: int) -> t
     return offsets, blob[int(offsets[0]) : int(offsets[-1])]
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """Rows read, in memory of their own where they are a small part of the tensor they come from.
+
+    safetensors' slices view the whole tensor's mapping: kept, they keep it alive, and pickled (a
+    DataLoader worker's result) they would take the whole tensor with them.
+    """
+    return t.clone() if t.untyped_storage().nbytes() > 2 * t.nbytes + 4096 else t
+
+
 def _rows(f: Any, c: Check, group: str, layout: Layout, lo: int, hi: int) -> tuple[torch.Tensor, list, list]:
     """Rows ``lo:hi`` of a group whose header is checked; offsets and JSON lines are checked as read."""
     names = names_in(f, c, group, layout)
-    idx = f.get_slice(names.frame_idx)[lo:hi]
+    idx = _own(f.get_slice(names.frame_idx)[lo:hi])
     tensors: list[Any] = []
     for name, leaf in zip(names.leaves, layout.leaves, strict=True):
         if leaf.ragged:
             offsets, values = _span(f, c, names, name, lo, hi)
-            tensors.append(Ragged(values, offsets - offsets[0]))
+            tensors.append(Ragged(_own(values), offsets - offsets[0]))
         else:
-            tensors.append(f.get_slice(name)[lo:hi])
+            tensors.append(_own(f.get_slice(name)[lo:hi]))
     json_values = []
     for name in names.json:
         offsets, blob = _span(f, c, names, name, lo, hi)

@@ -24,12 +24,13 @@ import torch
 import torch.utils.data
 
 from ._dtypes import dtype_name
+from ._names import escape_key
 from .errors import DatasetError, TdgatherError
 from .frames import Layout, flatten, rebuild
 from .ragged import Ragged
 from .reader import Dataset, _rows
 
-__all__ = ["ExportError", "FrameDataset", "collate_frames", "frame_ranges", "hf_features", "to_hf"]
+__all__ = ["ExportError", "FrameDataset", "collate_frames", "column_label", "frame_ranges", "hf_features", "to_hf"]
 
 TENSOR_COLUMN = "frames"  # the column of a filename whose frames are plain tensors (no keys)
 _RESERVED = ("filename", "frame_idx")
@@ -89,6 +90,8 @@ class FrameDataset(torch.utils.data.Dataset):
 
     def _position(self, i: Any) -> int:
         """``i`` as a position in ``[0, len)``; IndexError outside ``[-len, len)``, TypeError for a non-integer."""
+        if isinstance(i, bool) or not isinstance(i, int | torch.Tensor) and not hasattr(i, "__index__"):
+            raise TypeError(f"FrameDataset items are taken by an integer position, got {type(i).__name__} {i!r:.40}")
         i, n = operator.index(i), len(self)
         if not -n <= i < n:
             raise IndexError(f"item {i} out of range for {n} frames")
@@ -124,7 +127,7 @@ def _frame_map(dataset: Dataset, name: str) -> tuple[torch.Tensor, torch.Tensor,
     """One filename's frames in ``frame_idx`` order: their segment, their row in it, their ``frame_idx``.
 
     Raises:
-        DatasetError: a segment with fewer rows than the index gives, or a frame stored twice.
+        DatasetError: a segment with fewer rows than the index gives, out of order, or a frame stored twice.
     """
     layout = _frame_idx_only(dataset.layout(name))
     segments, rows, idx = [], [], []
@@ -132,6 +135,10 @@ def _frame_map(dataset: Dataset, name: str) -> tuple[torch.Tensor, torch.Tensor,
         got = _rows(f, c, group, layout, lo, hi)[0]
         if got.numel() != hi - lo:
             raise c.fail(f"{group} frame_idx", f"{hi - lo} rows from {lo}", got.numel())
+        if got.numel() > 1 and not bool((got[1:] > got[:-1]).all()):  # as tdgather writes a segment
+            at = int((got[1:] <= got[:-1]).nonzero()[0]) + 1
+            expected = f"strictly increasing indices, each frame once (rows {lo + at - 1} and {lo + at})"
+            raise c.fail(f"files[{name!r}] frame_idx", expected, got[at - 1 : at + 1].tolist())
         idx.append(got)
         rows.append(torch.arange(lo, hi, dtype=torch.int64))
         segments.append(torch.full((hi - lo,), k, dtype=torch.int32))
@@ -206,6 +213,17 @@ class _Column:
         return f"{dtype_name(self.dtype)}[{', '.join(['*'] * self.ragged + [str(d) for d in self.shape])}]"
 
 
+def column_label(path: tuple[str, ...]) -> str:
+    """A leaf's column: its keys escaped as in tensor names, joined with ``.``; a plain-tensor frame's is ``frames``.
+
+    So two leaves never share one: ``{"a.b": x}`` is ``a%2Eb``, ``{"a": {"b": y}}`` is ``a.b``.
+
+    >>> column_label(("det", "boxes")), column_label(("a.b",)), column_label(("",)), column_label(())
+    ('det.boxes', 'a%2Eb', '%', 'frames')
+    """
+    return ".".join(map(escape_key, path)) or TENSOR_COLUMN
+
+
 def _columns(dataset: Dataset, names: Sequence[str]) -> dict[str, _Column]:
     """Every leaf of every filename as a column (dotted key; a plain tensor frame is ``frames``).
 
@@ -219,14 +237,15 @@ def _columns(dataset: Dataset, names: Sequence[str]) -> dict[str, _Column]:
         found = [_Column(x.path, x.dtype, x.shape, x.ragged, name) for x in layout.leaves]
         found += [_Column(p, None, (), False, name) for p in layout.nontensor]
         for col in found:
-            label = ".".join(col.path) or TENSOR_COLUMN
+            label = column_label(col.path)
             if label in _RESERVED:
                 raise ExportError(f"{name!r}: a leaf named {label!r} would collide with the {label!r} column")
             seen = out.setdefault(label, col)
             if seen.signature() != col.signature():
                 raise ExportError(
                     f"column {label!r} is {seen.describe()} in {seen.first!r} but {col.describe()} in {name!r}: "
-                    "one table needs one type per column; export those filenames apart (filenames=[...])"
+                    "one table needs one type per column; export those filenames apart (to_hf(filenames=[...]), or "
+                    "tdgather export-hf --filenames ...)"
                 )
     return dict(sorted(out.items()))
 
@@ -287,7 +306,7 @@ def _json_values(dataset: Dataset, names: Sequence[str], columns: dict[str, _Col
         for f, c, group, lo, hi in dataset._segments(name):
             _, _, json_values = _rows(f, c, group, only, lo, hi)
             for path, values in zip(layout.nontensor, json_values, strict=True):
-                out[".".join(path)].extend(values)
+                out[column_label(path)].extend(values)
     return out
 
 
@@ -341,14 +360,14 @@ def _rows_of(dataset: Dataset, name: str, labels: Sequence[str]) -> Iterator[dic
     layout, tensors, json_values = flatten(frames.frames, count, name)
     cells: dict[str, Any] = {}
     for leaf, t in zip(layout.leaves, tensors, strict=True):
-        label = ".".join(leaf.path) or TENSOR_COLUMN
+        label = column_label(leaf.path)
         if isinstance(t, Ragged):
             values, bounds = _numpy(t.values), (t.offsets - t.offsets[0]).tolist()
             cells[label] = [values[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
         else:
             cells[label] = _numpy(t)
     for path, values in zip(layout.nontensor, json_values, strict=True):
-        cells[".".join(path)] = values
+        cells[column_label(path)] = values
     for k, idx in enumerate(frames.frame_idx.tolist()):
         row = {"filename": name, "frame_idx": idx}
         for label in labels:
@@ -378,8 +397,8 @@ def to_hf(
 ) -> Any:
     """The frames as a Hugging Face ``datasets.Dataset``, one row per frame (needs ``pip install tdgather[hf]``).
 
-    Columns: ``filename`` (string), ``frame_idx`` (int64), then one per leaf, by dotted key
-    (a filename whose frames are plain tensors fills ``frames``); a filename without a leaf has
+    Columns: ``filename`` (string), ``frame_idx`` (int64), then one per leaf, by `column_label`
+    (dotted, escaped keys; a filename whose frames are plain tensors fills ``frames``); a filename without a leaf has
     None there. Features are typed: a scalar leaf is a ``Value``, a ``[n]`` leaf a
     ``List(Value, length=n)``, 2 to 5 dims an ``Array2D``..``Array5D``; a ragged leaf with rows
     ``[...]`` is an ``ArrayND`` whose first dim is None (``List(Value)`` for scalar rows). A
@@ -413,10 +432,16 @@ def to_hf(
         "gen_kwargs": {"dataset": dataset, "names": names, "labels": tuple(labels)},  # one list: the shards
         "fingerprint": _fingerprint(dataset, names, features),
     }
-    if cache_dir is None:
-        with tempfile.TemporaryDirectory(prefix="tdgather-hf-") as tmp:
-            out = datasets.Dataset.from_generator(_generate, cache_dir=tmp, keep_in_memory=True, **kwargs)
-    else:
-        out = datasets.Dataset.from_generator(_generate, cache_dir=os.fspath(cache_dir), **kwargs)
+    try:
+        if cache_dir is None:
+            with tempfile.TemporaryDirectory(prefix="tdgather-hf-") as tmp:
+                out = datasets.Dataset.from_generator(_generate, cache_dir=tmp, keep_in_memory=True, **kwargs)
+        else:
+            out = datasets.Dataset.from_generator(_generate, cache_dir=os.fspath(cache_dir), **kwargs)
+    except datasets.exceptions.DatasetGenerationError as e:  # it wraps what our reads raised: give that back
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, TdgatherError):
+            raise cause from None
+        raise
     out.info.description = json.dumps({"tdgather": {"source": str(dataset.path), "converted": converted}})
     return out

@@ -161,3 +161,8 @@ def test_export_hf(tmp_path, capsys, parquet):
         torch.testing.assert_close(row["x"], value["x"], rtol=0, atol=0, equal_nan=True)
     assert main(["export-hf", str(path), str(out)]) == 1  # never replaces a directory
     assert "exists" in capsys.readouterr().err
+    assert main(["export-hf", str(path), str(path / "hf")]) == 1  # nor writes into the dataset
+    assert "is inside the dataset" in capsys.readouterr().err and not (path / "hf").exists()
+    name = sorted(tdgather.open(path))[0]
+    assert main(["export-hf", str(path), str(tmp_path / "one"), "--filenames", name]) == 0
+    assert f"({1} filenames)" in capsys.readouterr().out

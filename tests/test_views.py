@@ -195,3 +195,52 @@ def test_to_hf_refuses_columns_that_disagree(tmp_path):
     clash = {"a": (0, {"frame_idx": torch.zeros(2)})}
     with pytest.raises(ExportError, match="collide"):
         tdgather.open(tdgather.save(tdgather.gather(clash), tmp_path / "clash")).to_hf()
+
+
+def test_keys_that_join_alike_get_columns_of_their_own(tmp_path):
+    """{"a.b": x} and {"a": {"b": y}} (and a key "") are separate leaves: each keeps its column and values."""
+    value = {"a.b": torch.zeros(2), "a": {"b": torch.ones(2)}, "": torch.full((2,), 7.0), "frames": torch.ones(1)}
+    ds = tdgather.open(tdgather.save(tdgather.gather({"v": (0, value)}), tmp_path / "ds"))
+    hf = ds.to_hf().with_format("torch")
+    assert sorted(hf.features) == ["%", "a%2Eb", "a.b", "filename", "frame_idx", "frames"]
+    row = hf[0]
+    assert row["a%2Eb"].tolist() == [0, 0] and row["a.b"].tolist() == [1, 1] and row["%"].tolist() == [7, 7]
+
+
+def test_what_the_reader_refuses_the_other_views_refuse_too(saved, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    bad = tmp_path / "bad"
+    import shutil
+
+    shutil.copytree(saved, bad)
+    shard = bad / "shard-00000.safetensors"
+    with safe_open(shard, framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    group = next(k.split(":")[0] for k in tensors if k.endswith(":frame_idx") and tensors[k].numel() == 7)
+    tensors[f"{group}:frame_idx"] = tensors[f"{group}:frame_idx"].flip(0).contiguous()  # rows out of order
+    save_file(tensors, shard, metadata=meta)
+    ds = tdgather.open(bad)
+    with pytest.raises(tdgather.DatasetError, match="strictly increasing"):
+        ds["a.mp4"]
+    with pytest.raises(tdgather.DatasetError, match="strictly increasing"):
+        ds.per_frame()
+    with pytest.raises(tdgather.DatasetError, match="strictly increasing"):  # not datasets' wrapper error
+        ds.to_hf(filenames=["a.mp4"])
+
+
+def test_an_item_holds_its_own_rows_not_the_shard(saved, tmp_path):
+    """safetensors' slices view the whole tensor: an item (pickled to a DataLoader's main process) must not."""
+    big = {"v": [(j, {"x": torch.rand(64), "boxes": torch.rand(j % 5, 4)}) for j in range(200)]}
+    frames = tdgather.open(tdgather.save(tdgather.gather(big, ragged=["boxes"]), tmp_path / "big")).per_frame()
+    assert tdgather.open(tmp_path / "big")["v"].frames["x"].untyped_storage().nbytes() == 200 * 64 * 4  # whole file
+    for i in range(len(frames)):
+        item = frames[i]["frames"]
+        leaves = [item] if isinstance(item, torch.Tensor) else [item.get(k) for k in item.keys(True, True)]
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                t = t.values() if t.is_nested else t
+                assert t.untyped_storage().nbytes() <= 2 * t.nbytes + 4096, (i, t.shape)
+    with pytest.raises(TypeError, match="integer position, got bool"):
+        frames[True]
