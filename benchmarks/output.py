@@ -1,20 +1,20 @@
 """Reading a saved dataset: per filename, per frame, and the Hugging Face export, against safetensors' own read.
 
-Run: ``python -m benchmarks.output --files 100 --frames 100 --repeats 3``
+Run: ``python -m benchmarks.output --files 20 --frames 100 --repeats 3``
 
 A dataset of ``files x frames`` frames ``{"feat": float32[3, 32, 32], "boxes": float32[N_i, 4]}``
 (N_i in 0..20, ragged) is saved once. Timed, each from a cold start of the Python objects (the
 page cache stays warm: every method reads the same bytes, and the first repeat warms it):
 
-- ``load_file``: ``safetensors.torch.load_file`` of every shard, the physical baseline (all bytes,
-  no checks, no per-filename work);
+- ``read_bytes``: every shard file read into memory, the physical baseline (all bytes, from the
+  page cache, no checks, no per-filename work);
 - ``open_all``: ``tdgather.open(path)[name]`` for every filename (index and headers checked);
 - ``per_frame``: ``ds.per_frame()`` built, then every item read (each reads only its own rows);
 - ``per_frame_loader``: the same through a ``DataLoader(num_workers=2, batch_size=64,
   collate_fn=collate_frames)``;
 - ``to_hf``: ``ds.to_hf()`` (an in-memory ``datasets.Dataset``, one row a frame).
 
-Reported: seconds (median), MB/s of frame bytes, and each method's time over ``load_file``'s.
+Reported: seconds (median), MB/s of frame bytes, and each method's time over ``read_bytes``'s.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 import tdgather
@@ -52,9 +51,9 @@ def make(path: Path, files: int, frames: int) -> int:
     return nbytes
 
 
-def _load_file(path: Path) -> None:
+def _read_bytes(path: Path) -> None:
     for shard in sorted(path.glob("shard-*.safetensors")):
-        load_file(shard)
+        shard.read_bytes()
 
 
 def _open_all(path: Path) -> None:
@@ -80,7 +79,7 @@ def _to_hf(path: Path) -> None:
 
 
 METHODS = {
-    "load_file": _load_file,
+    "read_bytes": _read_bytes,
     "open_all": _open_all,
     "per_frame": _per_frame,
     "per_frame_loader": _per_frame_loader,
@@ -90,7 +89,7 @@ METHODS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--files", type=int, default=100)
+    parser.add_argument("--files", type=int, default=20)
     parser.add_argument("--frames", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
@@ -108,8 +107,8 @@ def main() -> None:
         f"{platform.machine()}, torch {torch.__version__}, {args.files} files x {args.frames} frames, "
         f"{nbytes / 1e6:.1f} MB of frame bytes, median of {args.repeats} after a warm-up round"
     )
-    base = statistics.median(times["load_file"][1:]) if "load_file" in times else None
-    print("| method | seconds | MB/s | x load_file |")
+    base = statistics.median(times["read_bytes"][1:]) if "read_bytes" in times else None
+    print("| method | seconds | MB/s | x read_bytes |")
     print("|---|---|---|---|")
     for m, ts in times.items():
         s = statistics.median(ts[1:])

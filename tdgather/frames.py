@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorStack, TensorDict, is_non_tensor, is_tensorclass, tensorclass
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    is_non_tensor,
+    is_tensorclass,
+    tensorclass,
+)
 from tensordict.base import TensorDictBase
 
 from ._dtypes import dtype_from_name, dtype_name, supported_list
@@ -31,6 +39,7 @@ __all__ = [
     "flatten",
     "ragged_hint",
     "rebuild",
+    "rebuild_one",
 ]
 
 Path = tuple[str, ...]
@@ -394,6 +403,23 @@ def rebuild(layout: Layout, count: int, tensors: list[Any], json: list[list]) ->
         td.set(leaf.path, t)
     for path, values in zip(layout.nontensor, json, strict=True):
         td.set(path, NonTensorStack.from_list(list(values)))
+    cls = _loaded_tensorclass(layout.cls)
+    return cls._from_tensordict(td) if cls is not None else td
+
+
+def rebuild_one(layout: Layout, tensors: list[Any], json: list[list]) -> Any:
+    """One frame's value from leaves of one frame: what ``rebuild(layout, 1, ...)[0]`` gives, built directly.
+
+    A ragged leaf gives the frame's rows ``[N_i, ...]`` (no nested tensor is made for one frame).
+    """
+    tensors = [t.span()[0] if isinstance(t, Ragged) else t[0] for t in tensors]
+    if layout.kind == "tensor":
+        return tensors[0]
+    td = TensorDict({}, batch_size=[])
+    for leaf, t in zip(layout.leaves, tensors, strict=True):
+        td.set(leaf.path, t)
+    for path, values in zip(layout.nontensor, json, strict=True):
+        td.set(path, NonTensorData(values[0]))
     cls = _loaded_tensorclass(layout.cls)
     return cls._from_tensordict(td) if cls is not None else td
 

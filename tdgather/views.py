@@ -26,7 +26,7 @@ import torch.utils.data
 from ._dtypes import dtype_name
 from ._names import escape_key
 from .errors import DatasetError, TdgatherError
-from .frames import Layout, flatten, rebuild
+from .frames import Layout, flatten, rebuild_one
 from .ragged import Ragged
 from .reader import Dataset, _rows
 
@@ -119,7 +119,7 @@ class FrameDataset(torch.utils.data.Dataset):
             break
         else:
             raise DatasetError(str(self.dataset.path), f"files[{name!r}]", f"expected segment {segment}, got none")
-        value = rebuild(layout, 1, tensors, json_values)[0]
+        value = rebuild_one(layout, tensors, json_values)
         return {"filename": name, "frame_idx": expected, "frames": value}
 
 
