@@ -186,7 +186,7 @@ def ragged_hint(a: Layout, b: Layout) -> str:
     spec = True if a.kind == "tensor" else names
     return (
         f"; if a leaf's first dim changes from frame to frame, pass ragged={spec!r} (to add(), update(), "
-        "gather() or the Collector's add()) or give it as a jagged nested tensor"
+        "gather(), the Collector's add() or the Lightning PredictionWriter) or give it as a jagged nested tensor"
     )
 
 
@@ -270,7 +270,13 @@ def check_ragged_names(ragged: RaggedSpec, known: set[str], where: str) -> None:
 def _flatten(value: Any, batch: int | None, where: str, ragged: RaggedSpec) -> tuple[Layout, list[Any], list[Any]]:
     if batch is not None and isinstance(value, LazyStackedTensorDict):
         value = list(value.unbind(0))
-    if batch is not None and isinstance(value, list | tuple):
+    if batch is not None and isinstance(value, tuple):  # a model's several outputs, far more often than frames
+        raise UnsupportedValueError(
+            f"{where}: got a tuple of {len(value)}; a batch is a tensor [B, ...], a dict (or TensorDict) of them, "
+            "or a list of B per-frame values. For a model with several outputs, return a dict that names them "
+            "({'depth': y, 'seg': z}); for per-frame values, a list"
+        )
+    if batch is not None and isinstance(value, list):
         return _flatten_list(value, batch, where, ragged)
     if isinstance(value, torch.Tensor | Ragged):
         leaf, t = _leaf(value, (), batch, where, ragged)

@@ -52,7 +52,7 @@ from ._output import (
     staging_of,
 )
 from .duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
-from .errors import OutputError, ShapeMismatchError
+from .errors import FrameConflictError, OutputError, ShapeMismatchError
 from .frames import Frames, Layout, flatten, ragged_hint
 from .merge import Rows
 from .plan import Mismatches
@@ -240,12 +240,15 @@ class DatasetWriter:
         publish(self.staging, self.target, self.overwrite)
         return self.target
 
-    def abort(self, failure: BaseException | None = None, metadata: Mapping[str, Any] | None = None) -> Path:
+    def abort(
+        self, failure: BaseException | None = None, metadata: Mapping[str, Any] | None = None, rank: int | None = None
+    ) -> Path:
         """Stop: the committed shards stay in ``<path>.partial``; return that path.
 
         With ``failure``, an index of what was committed is written there as ``tdgather.incomplete.json``
         (never ``tdgather.index.json``), naming the failure, so ``tdgather.open(path, incomplete=True)``
-        reads the frames saved before it.
+        reads the frames saved before it. Its ``rank`` is the failure's own (a peer's error), else
+        ``rank`` (the writer's, whose own code raised), and null for a conflict between ranks.
         """
         failed = self._settle(raise_first=False)
         for name in failed:  # a shard that never became durable is not listed
@@ -255,7 +258,10 @@ class DatasetWriter:
                 entry["frames"] = sum(seg["frames"] for seg in entry["segments"])
         self.files = {name: entry for name, entry in self.files.items() if entry["segments"]}
         if failure is not None:
-            info = {"type": type(failure).__name__, "message": str(failure), "rank": getattr(failure, "rank", None)}
+            who = getattr(failure, "rank", None)
+            if who is None and not isinstance(failure, FrameConflictError):
+                who = rank
+            info = {"type": type(failure).__name__, "message": str(failure), "rank": who}
             _write_atomic(self.staging / INCOMPLETE_NAME, [self._index({**(metadata or {}), "failure": info})])
         return self.staging
 

@@ -348,7 +348,10 @@ class Destination(_Side):
                 "PeerLost",
                 f"it did not open its Collector within {col.timeout.total_seconds():g} s of rank {rank}: every rank "
                 "must enter `with Collector(...)` within the timeout of the others (open it before the loop, not "
-                "after a long step), or pass a larger timeout=; or it failed, or is in another call",
+                "after a long step), or pass a larger timeout=; or it failed, or is in another call"
+                if time.perf_counter() - self.start >= 0.9 * col.timeout.total_seconds()
+                else f"its connection closed after {time.perf_counter() - self.start:.1f} s, before it opened its "
+                "Collector: it probably failed or died before this call (its log has the error)",
             )
             self.answers.answer_all(Kind.ERROR, error_header(error))
             remove_ours(self.writer.staging)  # nothing was received: leave nothing that blocks a rerun
@@ -525,7 +528,7 @@ class Destination(_Side):
         meta = {"frames_per_rank": self.received, "duplicates_dropped": dups.dropped, "duplicates": dups.to_json()}
         try:
             with contextlib.suppress(OSError):  # the original error matters more than the list of what was saved
-                self.writer.abort(self.failure, meta)
+                self.writer.abort(self.failure, meta, rank=self.rank)
         finally:
             self.answers.answer_all(Kind.ERROR, error_header(self.failure))  # the held peers: saved now
             self.answers.stop()

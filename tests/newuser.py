@@ -255,3 +255,18 @@ def case_late_open(out: str, late: float, timeout: float) -> dict:
     except tdgather.TdgatherError as e:
         return _error(e)
     return {"type": None}
+
+
+def case_dead_before_open(out: str, timeout: float) -> dict:
+    """Rank 1 dies before it opens its Collector (an error in a framework's setup, say)."""
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        with tdgather.Collector(out, timeout=timeout, progress=False) as col:
+            col.update({f"r{rank}": (0, torch.ones(1))})
+    except tdgather.TdgatherError as e:
+        return {**_error(e), "seconds": time.monotonic() - t0}
+    return {"type": None}

@@ -56,6 +56,8 @@ def test_error_inside_the_block(tmp_path, failing):
     out = run_local_world(cases.case_stream_error, 3, str(tmp_path / "ds"), failing, timeout=180)
     assert out[failing]["type"] == "RuntimeError" and f"boom on rank {failing}" in out[failing]["message"]
     assert out[failing]["listed"]  # rank 0 answered the failing rank only once the partial was listed
+    failure = tdgather.open(tmp_path / "ds", incomplete=True).metadata["failure"]
+    assert failure["type"] == ("RuntimeError" if failing == 0 else "PeerError") and failure["rank"] == failing
     if failing != 0:
         assert out[0]["type"] == "PeerError" and out[0]["rank"] == failing
         assert f"rank {failing} failed with RuntimeError: boom" in out[0]["message"]

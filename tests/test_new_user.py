@@ -161,3 +161,11 @@ def test_a_rank_late_to_open_the_collector_is_the_one_named(tmp_path):
     assert "did not open its Collector within 1 s of rank 0" in r[0]["message"]
     assert all(x["type"] is not None for x in r)  # nobody goes on as if nothing happened
     assert os.listdir(tmp_path) == []  # no .partial left to block the rerun
+
+
+def test_a_rank_that_died_before_opening_is_not_called_late(tmp_path):
+    with pytest.raises(WorldError) as e:
+        run_local_world(newuser.case_dead_before_open, 2, str(tmp_path / "ds"), 30.0, timeout=120)
+    r = e.value.results[0]
+    assert r["type"] == "PeerLostError" and r["rank"] == 1 and r["seconds"] < 25, r
+    assert "probably failed or died" in r["message"] and "did not open its Collector within" not in r["message"]

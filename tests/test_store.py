@@ -180,3 +180,13 @@ def test_copy_false_keeps_references_and_parts_can_be_taken_twice():
     second = store.parts(0)
     assert first[0].num_frames == 9 and second[0].num_frames == 12  # the first parts are unchanged
     assert torch.equal(merge(second).files["r"].frames, torch.cat([*batches, torch.zeros(3, 2)]))
+
+
+def test_a_tuple_of_outputs_is_refused_not_taken_for_frames():
+    """(y, z) from a model with two heads, with B == 2, must not become two 'frames' of [2, ...] each."""
+    store = tdgather.FrameStore()
+    with pytest.raises(UnsupportedValueError, match=r"got a tuple of 2.*return a dict that names them"):
+        store.add(["a", "b"], [0, 0], (torch.zeros(2, 3), torch.ones(2, 3)))
+    assert len(store) == 0
+    store.add(["a", "b"], [0, 0], {"y": torch.zeros(2, 3), "z": torch.ones(2, 3)})
+    assert len(store) == 2
