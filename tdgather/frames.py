@@ -402,15 +402,7 @@ def rebuild(layout: Layout, count: int, tensors: list[Any], json: list[list]) ->
     this process; tdgather never imports a module named by a peer.
     """
     tensors = [t.to_nested() if isinstance(t, Ragged) else t for t in tensors]
-    if layout.kind == "tensor":
-        return tensors[0]
-    td = TensorDict({}, batch_size=[count])
-    for leaf, t in zip(layout.leaves, tensors, strict=True):
-        td.set(leaf.path, t)
-    for path, values in zip(layout.nontensor, json, strict=True):
-        td.set(path, NonTensorStack.from_list(list(values)))
-    cls = _loaded_tensorclass(layout.cls)
-    return cls._from_tensordict(td) if cls is not None else td
+    return _assemble(layout, [count], tensors, [NonTensorStack.from_list(list(values)) for values in json])
 
 
 def rebuild_one(layout: Layout, tensors: list[Any], json: list[list]) -> Any:
@@ -419,13 +411,18 @@ def rebuild_one(layout: Layout, tensors: list[Any], json: list[list]) -> Any:
     A ragged leaf gives the frame's rows ``[N_i, ...]`` (no nested tensor is made for one frame).
     """
     tensors = [t.span()[0] if isinstance(t, Ragged) else t[0] for t in tensors]
+    return _assemble(layout, [], tensors, [NonTensorData(values[0]) for values in json])
+
+
+def _assemble(layout: Layout, batch_size: list[int], tensors: list[Any], json: list[Any]) -> Any:
+    """The value of ``layout`` from its leaves, ready made: a tensor, or a TensorDict / tensorclass."""
     if layout.kind == "tensor":
         return tensors[0]
-    td = TensorDict({}, batch_size=[])
+    td = TensorDict({}, batch_size=batch_size)
     for leaf, t in zip(layout.leaves, tensors, strict=True):
         td.set(leaf.path, t)
-    for path, values in zip(layout.nontensor, json, strict=True):
-        td.set(path, NonTensorData(values[0]))
+    for path, value in zip(layout.nontensor, json, strict=True):
+        td.set(path, value)
     cls = _loaded_tensorclass(layout.cls)
     return cls._from_tensordict(td) if cls is not None else td
 

@@ -137,9 +137,10 @@ class Dataset(Mapping[str, Frames]):
                     check_shard(f, Check(self.path / shard), shard, entry["groups"], self._plan, self._index)
                 self._checked.add(shard)
 
-    def _segments(self, name: str) -> Iterator[tuple[Any, Check, str, int, int]]:
-        """Each segment of ``name``: its open shard (header checked on first touch), group and rows."""
-        for i, segment in enumerate(self._files[name]["segments"]):
+    def _segments(self, name: str, only: int | None = None) -> Iterator[tuple[Any, Check, str, int, int]]:
+        """Each segment of ``name`` (or only segment ``only``): its open shard (header checked once), group, rows."""
+        segments = list(enumerate(self._files[name]["segments"]))
+        for i, segment in segments if only is None else segments[only : only + 1]:
             shard, group, lo = segment["shard"], segment["group"], segment["start"]
             c = Check(self.path / shard)
             with open_shard(self.path, shard, self._index, f"files{key(name)}.segments[{i}].shard") as f:

@@ -309,9 +309,9 @@ class FrameStore:
 
     def _claim(self, g: _Group, names: list[str]) -> None:
         """Record that ``names`` have ``g``'s layout; refuse, before anything is added, a name that has another."""
-        fresh = g.files.issuperset(names) or set(names).difference(g.files)
-        if fresh is True:
+        if g.files.issuperset(names):  # the common case: names this group holds already
             return
+        fresh = set(names).difference(g.files)
         clash = self._owner.keys() & fresh
         if clash:
             name = min(clash, key=names.index)

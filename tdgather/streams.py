@@ -343,16 +343,16 @@ class Destination(_Side):
             raise
         late = self.answers.send_all(Kind.DONE, {"frames": 0})  # 1. ready
         if late:  # its pair timed out, and gloo closes them all: name it, rather than let the others blame us
-            error = PeerLostError(
-                min(late),
-                "PeerLost",
-                f"it did not open its Collector within {col.timeout.total_seconds():g} s of rank {rank}: every rank "
-                "must enter `with Collector(...)` within the timeout of the others (open it before the loop, not "
-                "after a long step), or pass a larger timeout=; or it failed, or is in another call"
-                if time.perf_counter() - self.start >= 0.9 * col.timeout.total_seconds()
-                else f"its connection closed after {time.perf_counter() - self.start:.1f} s, before it opened its "
-                "Collector: it probably failed or died before this call (its log has the error)",
+            waited, limit = time.perf_counter() - self.start, col.timeout.total_seconds()
+            why = (
+                f"it did not open its Collector within {limit:g} s of rank {rank}: every rank must enter "
+                "`with Collector(...)` within the timeout of the others (open it before the loop, not after a "
+                "long step), or pass a larger timeout=; or it failed, or is in another call"
+                if waited >= 0.9 * limit
+                else f"its connection closed after {waited:.1f} s, before it opened its Collector: it probably "
+                "failed or died before this call (its log has the error)"
             )
+            error = PeerLostError(min(late), "PeerLost", why)
             self.answers.answer_all(Kind.ERROR, error_header(error))
             remove_ours(self.writer.staging)  # nothing was received: leave nothing that blocks a rerun
             raise error

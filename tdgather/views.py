@@ -108,9 +108,7 @@ class FrameDataset(torch.utils.data.Dataset):
         i = self._position(i)
         segment, row = int(self._segment[i]), int(self._row[i])
         layout = self.dataset.layout(name)
-        for k, (f, c, group, lo, hi) in enumerate(self.dataset._segments(name)):
-            if k < segment:
-                continue
+        for f, c, group, lo, hi in self.dataset._segments(name, only=segment):
             if not lo <= row < hi:
                 raise c.fail(f"{group} rows", f"row {row} inside {lo}..{hi}", "a segment changed since it was read")
             idx, tensors, json_values = _rows(f, c, group, layout, row, row + 1)
