@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from ._dtypes import SAFETENSORS_CODE, dtype_name
 from ._names import GroupNames, group_names
-from ._output import FORMAT, INDEX_VERSION
+from ._output import FORMAT, INDEX_VERSION, SHARD_VERSION
 from .errors import DatasetError
 from .frames import Layout
 from .wire import _Check, _decode_layout
@@ -45,8 +45,8 @@ __all__ = [
     "shard_groups",
 ]
 
-VERSIONS = (1, INDEX_VERSION)  # the index versions this tdgather reads
-_SHARD_VERSIONS = ("1", str(INDEX_VERSION))  # a shard's __metadata__.version (tensor names: `tdgather._names`)
+VERSIONS = (1, 2, INDEX_VERSION)  # the index versions this tdgather reads
+_SHARD_VERSIONS = ("1", SHARD_VERSION)  # a shard's __metadata__.version (tensor names: `tdgather._names`)
 SHARD_NAME = re.compile(r"shard-[0-9]{5,}\.safetensors")  # as DatasetWriter names them
 GROUP_NAME = re.compile(r"g[0-9]+")
 _DTYPE_OF_CODE = {code: dtype_name(dt) for dt, code in SAFETENSORS_CODE.items()}
@@ -145,7 +145,7 @@ def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
         raise c.fail("format", repr(FORMAT), index.get("format"))
     version = index.get("version")
     if type(version) is not int or version not in VERSIONS:
-        wanted = " or ".join(map(str, VERSIONS))
+        wanted = ", ".join(map(str, VERSIONS[:-1])) + f" or {VERSIONS[-1]}"
         raise c.fail("version", f"{wanted} (this tdgather reads index version {wanted} only)", version)
     c.obj(index, "index", {"format", "version", "metadata", "shards", "files"})
     meta = c.mapping(index["metadata"], "metadata")  # user keys are the user's: only ours are checked

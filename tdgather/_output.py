@@ -26,6 +26,7 @@ __all__ = [
     "INCOMPLETE_NAME",
     "INDEX_NAME",
     "INDEX_VERSION",
+    "SHARD_VERSION",
     "check_output",
     "fsync_dir",
     "publish",
@@ -34,7 +35,8 @@ __all__ = [
 ]
 
 FORMAT = "tdgather"  # the index's and every shard's "format"
-INDEX_VERSION = 2  # the index version the sink writes (and its shards' tensor names: `tdgather._names`)
+INDEX_VERSION = 3  # the index version the sink writes (3: shards record their segments, run and attempt)
+SHARD_VERSION = "2"  # a shard's __metadata__.version: how its tensors are named (`tdgather._names`)
 INDEX_NAME = "tdgather.index.json"
 INCOMPLETE_NAME = "tdgather.incomplete.json"  # what a failed run saved, in <name>.partial
 
@@ -57,13 +59,15 @@ def _describe(names: list[str]) -> str:
     return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
+def check_output(path: str | os.PathLike, overwrite: bool, resume: bool = False) -> Path:
     """Refuse an output directory that cannot be used, before any work; return it.
 
     The target must be absent, an empty directory, or (with ``overwrite=True``) a complete
     tdgather dataset. ``<name>.partial`` must be absent, or (with ``overwrite=True``) hold only
     what a tdgather run left there. Anything else is refused even with ``overwrite=True``:
     tdgather never deletes a file it did not write. The parent must be creatable and writable.
+    With ``resume=True``, a complete dataset at the target and tdgather's files in ``<name>.partial``
+    are what the run continues from (`tdgather.resume`), not obstacles.
     """
     target = Path(path)
     staging = staging_of(target)
@@ -85,7 +89,7 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
                 f"({what}); tdgather never replaces or deletes what it did not write, even with overwrite=True: "
                 "choose another path, or move those files away"
             )
-        if not overwrite:
+        if not overwrite and not resume:
             raise OutputError(
                 f"output {str(target)!r} already holds a tdgather dataset; pass overwrite=True to replace it "
                 "atomically (once the new one is complete), or choose another path"
@@ -97,17 +101,17 @@ def check_output(path: str | os.PathLike, overwrite: bool) -> Path:
             f"{_describe(foreign) if staging.is_dir() else 'a file'}, which tdgather did not write; move it away "
             "(tdgather never deletes what it did not write, even with overwrite=True)"
         )
-    if (staging / INDEX_NAME).exists() and not overwrite:
+    if (staging / INDEX_NAME).exists() and not overwrite and not resume:
         raise OutputError(
             f"{str(staging)!r} holds a complete dataset whose move into place was interrupted (or the old one of "
             "an interrupted overwrite); tdgather.open() reads it there: keep it, remove it, or pass "
             "overwrite=True to replace it"
         )
-    if staging.exists() and not overwrite:
+    if staging.exists() and not overwrite and not resume:
         raise OutputError(
-            f"{str(staging)!r} holds shards left by an interrupted run (no index, so incomplete); read what it "
-            "saved with tdgather.open(path, incomplete=True) if needed, then remove it, or pass overwrite=True "
-            "to replace it"
+            f"{str(staging)!r} holds shards left by an interrupted run (no index, so incomplete); continue that "
+            "run with resume=True, or pass overwrite=True to start over (read what it saved with "
+            "tdgather.open(path, incomplete=True))"
         )
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -157,7 +161,9 @@ def publish(staging: Path, target: Path, overwrite: bool) -> None:
             )
         if _exchange(staging, target):
             fsync_dir(target.parent)
-            remove_ours(staging)
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            os.rename(staging, old)  # the old dataset never waits at <name>.partial, where a resume would look
+            remove_ours(old)
             return
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         os.rename(target, old)

@@ -89,6 +89,7 @@ def _inspect(args: argparse.Namespace) -> int:
     )
     _print_shards(ds, args.all)
     _print_duplicates(m)
+    _print_attempts(m)
     if "failure" in m:
         f = m["failure"]
         print(f"incomplete: saved before {f['type']}" + (f" (rank {f['rank']})" if f["rank"] is not None else ""))
@@ -117,6 +118,19 @@ def _print_duplicates(m: dict) -> None:
         f"duplicates dropped: {dropped} (exact {d.get('exact')}, inexact {d.get('inexact')}, "
         f"max abs diff {d.get('max_abs_diff')})"
     )
+
+
+def _print_attempts(m: dict) -> None:
+    """A resumed run's attempts: the frames each saved, and how it ended (as the index records them)."""
+    attempts = m.get("attempts")
+    if not isinstance(attempts, list) or len(attempts) < 2 or not all(isinstance(a, dict) for a in attempts):
+        return
+    for a in attempts:
+        failure = a.get("failure")
+        ended = f"{failure.get('type')}" if isinstance(failure, dict) else "completed"
+        if isinstance(failure, dict) and failure.get("rank") is not None:
+            ended += f", rank {failure['rank']}"
+        print(f"attempt {a.get('attempt')}: {a.get('frames')} frames saved ({ended})")
 
 
 def _inspect_frames(ds: Any, name: str) -> int:

@@ -37,6 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .duplicates import DuplicatePolicy
+from .resume import Saved
 from .sink import DEFAULT_SHARD_BYTES
 from .streams import CollectorSummary, Destination, Sender, Settings
 from .transport import Call, as_timeout, begin_call, transport_group
@@ -73,6 +74,9 @@ class Collector:
         progress: a progress bar on rank ``dst``; default: only when stderr is a terminal.
         log_summary: log the summary (logger ``"tdgather"``) when closing.
         metadata: extra JSON values stored in the index under ``"metadata"`` (as `tdgather.save`).
+        resume: continue a run that failed (or finished): keep what ``<path>.partial`` (or ``path``)
+            holds, give every rank ``saved`` to skip it, drop frames sent again by the duplicates
+            policy, and record each attempt in the index. Nothing saved: a fresh run.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class Collector:
         progress: bool | None = None,
         log_summary: bool = False,
         metadata: Mapping[str, Any] | None = None,
+        resume: bool = False,
     ) -> None:
         for name, value, low in (("memory_budget", memory_budget, 1), ("max_pending", max_pending, 1)):
             if not isinstance(value, int) or value < low:
@@ -102,12 +107,14 @@ class Collector:
         self.path, self.dst, self.group = Path(path), dst, group
         self.timeout = as_timeout(timeout)
         self.overwrite, self.memory_budget, self.max_pending = overwrite, memory_budget, max_pending
+        self.resume = resume
         self.metadata = dict(metadata or {})
         self.max_shard_bytes, self.progress, self.log_summary = max_shard_bytes, progress, log_summary
         self.duplicates, self.copy = DuplicatePolicy.of(duplicates), copy
         self._chunk_bytes = chunk_bytes
         self._side: Sender | Destination | None = None
         self._call: Call | None = None
+        self._saved: Saved | None = None
         self.summary: CollectorSummary | None = None  # set by close() on rank dst
 
     def open(self) -> Collector:
@@ -132,9 +139,11 @@ class Collector:
             progress=self.progress,
             metadata=self.metadata,
             peers=world - 1,
+            resume=self.resume,
         )
         if not distributed:
             self._side = Destination(settings, None, rank, [])
+            self._saved = self._side.saved
             return self
         self._call = begin_call(pg, "Collector", self.dst, self.timeout, str(self.path))
         try:
@@ -145,7 +154,18 @@ class Collector:
         except BaseException:
             self._end_call()
             raise
+        self._saved = self._side.saved
         return self
+
+    @property
+    def saved(self) -> Saved:
+        """What earlier attempts of a resumed run saved (`tdgather.resume.Saved`), the same on every rank.
+
+        Empty for a fresh run. Skip it when building the loader: ``col.saved.todo(samples, key=...)``.
+        """
+        if self._saved is None:
+            raise RuntimeError("Collector is not open: `saved` is known once it opens (the `with` line)")
+        return self._saved
 
     def add(self, filenames: str | Sequence[str], frame_idx: Any, frames: Any, *, ragged: Any = ()) -> None:
         """Add a batch of B frames (as `FrameStore.add`); returns quickly, waits only on back-pressure."""

@@ -50,7 +50,7 @@ class ProtocolError(TdgatherError):
     def __init__(self, rank: int, field: str, message: str) -> None:
         super().__init__(
             f"protocol error from rank {rank} in {field}: {message}. The bytes are not a valid tdgather "
-            f"message (protocol 3): check that every rank runs the same tdgather version and that nothing "
+            f"message: check that every rank runs the same tdgather version and that nothing "
             f"else sends on this process group"
         )
         self.rank = rank

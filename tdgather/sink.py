@@ -45,12 +45,14 @@ from ._output import (
     INCOMPLETE_NAME,
     INDEX_NAME,
     INDEX_VERSION,
+    SHARD_VERSION,
     check_output,
     fsync_dir,
     publish,
     remove_ours,
     staging_of,
 )
+from ._runs import add_runs, in_runs
 from .duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
 from .errors import FrameConflictError, OutputError, ShapeMismatchError
 from .frames import Frames, Layout, flatten, ragged_hint
@@ -58,6 +60,7 @@ from .merge import Rows
 from .plan import Mismatches
 from .ragged import Ragged, joined, offsets_of
 from .reader import read_segment
+from .resume import SavedState, load_state, new_run
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
@@ -97,20 +100,29 @@ class DatasetWriter:
         overwrite: bool = False,
         max_shard_bytes: int = DEFAULT_SHARD_BYTES,
         duplicates: str | DuplicatePolicy = "keep",
+        resume: bool = False,
     ) -> None:
         self.policy = DuplicatePolicy.of(duplicates)
-        self.target = check_output(path, overwrite)
+        self.target = check_output(path, overwrite, resume)
         self.staging = staging_of(self.target)
-        self.overwrite = overwrite
         self.max_shard_bytes = max_shard_bytes
-        remove_ours(self.staging)  # check_output allowed only tdgather's own files there
-        self.staging.mkdir()
-        self.files: dict[str, dict] = {}
-        self.shards: dict[str, dict] = {}
+        state = load_state(self.target, self.staging, overwrite) if resume else None
+        if state is None:
+            remove_ours(self.staging)  # check_output allowed only tdgather's own files there
+            self.staging.mkdir()
+            state = SavedState(new_run())
+        # resuming a complete dataset replaces it with one that holds all its frames
+        self.overwrite = overwrite or (resume and (self.target / INDEX_NAME).is_file())
+        self.run, self.attempts, self.attempt = state.run, state.attempts, state.attempt
+        self.saved = state.saved()  # what earlier attempts saved, as every rank gets it
+        self.files: dict[str, dict] = state.files
+        self.shards: dict[str, dict] = state.shards
+        self._saved_frames = self.frames
+        self._next_shard = state.next_shard
         self.duplicates = DuplicateCounts()  # copies dropped against frames already on disk
         self._ranks: dict[str, set[int]] = {}  # per filename, the ranks whose frames were written
-        self._layouts: dict[str, Layout] = {}
-        self._written: dict[str, torch.Tensor] = {}  # per filename, frame_idx written, as [start, end] runs
+        self._layouts: dict[str, Layout] = dict(state.layouts)
+        self._written: dict[str, torch.Tensor] = state.written  # per filename, frame_idx written, as runs
         self._syncer: ThreadPoolExecutor | None = None  # makes shards durable while the next is written
         self._syncing: list[tuple[str, Future]] = []
         self._failed: list[str] = []  # shards whose last step failed: never listed
@@ -168,9 +180,21 @@ class DatasetWriter:
             size += nbytes + 8 * idx.numel()
         written = []
         for shard in (s for s in shards if s):
-            shard_name = f"shard-{len(self.shards):05d}.safetensors"
+            shard_name = f"shard-{self._next_shard:05d}.safetensors"
+            self._next_shard += 1
             groups, entries, segments = _shard_tensors(shard, shard_name)
-            meta = {"format": FORMAT, "version": str(INDEX_VERSION), "shard": shard_name, "groups": json.dumps(groups)}
+            record = [
+                [item[0], seg["group"], seg["start"], seg["frames"]] for item, seg in zip(shard, segments, strict=True)
+            ]
+            meta = {
+                "format": FORMAT,
+                "version": SHARD_VERSION,
+                "shard": shard_name,
+                "groups": json.dumps(groups),
+                "segments": json.dumps(record, ensure_ascii=False),  # what a resumed run reads back
+                "run": self.run,
+                "attempt": str(self.attempt),
+            }
             write_safetensors(self.staging / shard_name, entries, meta, then=self._in_background(shard_name))
             for (name, layout, idx, _, _, runs, _), segment in zip(shard, segments, strict=True):
                 entry = self.files.setdefault(name, {"frames": 0, "segments": []})
@@ -178,7 +202,7 @@ class DatasetWriter:
                 entry["segments"].append(segment)
                 self._layouts[name] = layout
                 old = self._written.get(name)
-                self._written[name] = runs if old is None and runs is not None else _add_runs(old, idx)
+                self._written[name] = runs if old is None and runs is not None else add_runs(old, idx)
                 self._ranks.setdefault(name, set()).update(ranks.get(name, ()))
             self.shards[shard_name] = {
                 "frames": sum(x[2].numel() for x in shard),
@@ -188,10 +212,15 @@ class DatasetWriter:
             written.append(shard_name)
         return written
 
+    def _written_by(self, name: str, ranks: str) -> str:
+        """Who wrote ``name``'s frames on disk: ``ranks`` (formatted with the list), or an earlier attempt."""
+        old_ranks = sorted(self._ranks.get(name, ()))
+        return ranks.format(old_ranks) if old_ranks else "an earlier attempt of this run"
+
     def _mismatch(self, name: str, layout: Layout, ranks: Mapping) -> ShapeMismatchError:
-        new_ranks, old_ranks = sorted(ranks.get(name, ())), sorted(self._ranks.get(name, ()))
+        new_ranks = sorted(ranks.get(name, ()))
         return ShapeMismatchError(
-            f"filename {name!r}: frames already written (from ranks {old_ranks}) have "
+            f"filename {name!r}: frames already written ({self._written_by(name, 'from ranks {}')}) have "
             f"{self._layouts[name].describe()}, new ones (from ranks {new_ranks}) have {layout.describe()}; "
             "every frame of a filename must have the same structure, shape and dtype"
             f"{ragged_hint(self._layouts[name], layout)}"
@@ -203,7 +232,7 @@ class DatasetWriter:
         """Resolve frames of ``name`` already on disk by the policy: the disk copy stays, the new one goes."""
         if layout != self._layouts[name]:
             raise self._mismatch(name, layout, ranks)
-        again = _in_runs(self._written[name], idx)
+        again = in_runs(self._written[name], idx)
         if not bool(again.any()):
             return idx, tensors, json_values
         self._settle()  # the shards read back must be in place
@@ -224,8 +253,7 @@ class DatasetWriter:
             )
             if bool(verdict.refused.any()):
                 k = int(verdict.refused.nonzero()[0])
-                new_ranks, old_ranks = sorted(ranks.get(name, ())), sorted(self._ranks.get(name, ()))
-                who = f"rank(s) {old_ranks} and later rank(s) {new_ranks}"
+                who = f"{self._written_by(name, 'rank(s) {}')} and later rank(s) {sorted(ranks.get(name, ()))}"
                 where = f" (the first copy was written to {segment['shard']} before this one arrived)"
                 raise conflict(name, int(idx[new_pos[k]]), verdict.describe(k), self.policy, who, where)
             self.duplicates += verdict.counts
@@ -236,6 +264,7 @@ class DatasetWriter:
     def commit(self, metadata: Mapping[str, Any] | None = None) -> Path:
         """Write the index (last), then move the dataset into place; return its path."""
         self._settle()
+        (self.staging / INCOMPLETE_NAME).unlink(missing_ok=True)  # an earlier attempt's record
         _write_atomic(self.staging / INDEX_NAME, [self._index(metadata)])
         publish(self.staging, self.target, self.overwrite)
         return self.target
@@ -262,7 +291,7 @@ class DatasetWriter:
             if who is None and not isinstance(failure, FrameConflictError):
                 who = rank
             info = {"type": type(failure).__name__, "message": str(failure), "rank": who}
-            _write_atomic(self.staging / INCOMPLETE_NAME, [self._index({**(metadata or {}), "failure": info})])
+            _write_atomic(self.staging / INCOMPLETE_NAME, [self._index({**(metadata or {}), "failure": info}, info)])
         return self.staging
 
     def _in_background(self, shard_name: str) -> Callable[[Callable[[], None]], None]:
@@ -293,12 +322,15 @@ class DatasetWriter:
             raise first
         return self._failed
 
-    def _index(self, metadata: Mapping[str, Any] | None) -> bytes:
+    def _index(self, metadata: Mapping[str, Any] | None, failure: dict | None = None) -> bytes:
+        this = {"attempt": self.attempt, "frames": self.frames - self._saved_frames, "failure": failure}
         index = {
             "format": FORMAT,
             "version": INDEX_VERSION,
             "metadata": {
                 **(metadata or {}),
+                "run": self.run,
+                "attempts": [*self.attempts, this],  # how many frames each attempt saved, and how it ended
                 "total_frames": self.frames,
                 "total_bytes": self.nbytes,
                 "num_filenames": len(self.files),
@@ -381,33 +413,6 @@ def _runs_per_file(g: Any) -> list[torch.Tensor]:
     return list(torch.split(runs, torch.bincount(file_of[heads], minlength=len(g.files)).tolist()))
 
 
-def _add_runs(runs: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
-    """The union of ``runs`` (int64 ``[k, 2]``, inclusive, sorted, disjoint) and the indices ``idx``.
-
-    Frames usually come in order, so a filename costs a few runs, not 8 bytes per frame written.
-    """
-    idx = torch.unique(idx.to(torch.int64))
-    new_run = torch.ones_like(idx, dtype=torch.bool)
-    new_run[1:] = idx[1:] - idx[:-1] != 1
-    first = new_run.nonzero().flatten()
-    last = torch.cat([first[1:] - 1, torch.tensor([idx.numel() - 1])])
-    fresh = torch.stack([idx[first], idx[last]], dim=1)
-    both = fresh if runs is None else torch.cat([runs, fresh])
-    both = both[torch.argsort(both[:, 0])]
-    reach = torch.cummax(both[:, 1], dim=0).values
-    starts = torch.ones(both.shape[0], dtype=torch.bool)
-    starts[1:] = both[1:, 0] > reach[:-1] + 1
-    heads = starts.nonzero().flatten()
-    tails = torch.cat([heads[1:] - 1, torch.tensor([both.shape[0] - 1])])
-    return torch.stack([both[heads, 0], reach[tails]], dim=1)
-
-
-def _in_runs(runs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Which of ``idx`` lie in ``runs`` (as `_add_runs` makes them)."""
-    at = torch.searchsorted(runs[:, 0].contiguous(), idx.to(torch.int64), right=True) - 1
-    return (at >= 0) & (idx <= runs[at.clamp(min=0), 1])
-
-
 def _shard_tensors(shard: list, shard_name: str) -> tuple[dict, list, list]:
     """Group a shard's filenames by layout; return group descriptions, tensor entries and segments."""
     by_layout: dict[Layout, list] = {}
@@ -416,7 +421,7 @@ def _shard_tensors(shard: list, shard_name: str) -> tuple[dict, list, list]:
     groups, entries, segment_of = {}, [], {}
     for g, (layout, items) in enumerate(by_layout.items()):
         key = f"g{g}"
-        names = group_names(key, layout, INDEX_VERSION)
+        names = group_names(key, layout, int(SHARD_VERSION))
         groups[key] = layout.to_json()
         row = 0
         for name, _, idx, *_ in items:

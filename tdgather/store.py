@@ -160,8 +160,9 @@ class FrameStore:
         (3, 36)
     """
 
-    def __init__(self, copy: bool = True) -> None:
+    def __init__(self, copy: bool = True, saved: Mapping[str, Layout] | None = None) -> None:
         self.copy = copy
+        self._saved = saved or {}  # a resumed run's layouts: a filename must keep the one it was saved with
         self._groups: dict[Layout, _Group] = {}
         self._plain: dict[tuple, _Group] = {}  # plain tensors' groups by (dtype, batch shape)
         self._ids: dict[str, int] = {}
@@ -301,6 +302,8 @@ class FrameStore:
                 first = claimed.setdefault(name, self._owner.get(name, b.layout))
                 if first != b.layout:
                     raise _mismatch(name, first, b.layout)
+                if self._saved.get(name, b.layout) != b.layout:
+                    raise _mismatch(name, self._saved[name], b.layout, saved=True)
         for b, idx in buckets:  # checked: nothing is half-added
             tensors = [_join(ts, b.how) for ts in b.leaves]
             group = self._group(b.layout)
@@ -316,6 +319,10 @@ class FrameStore:
         if clash:
             name = min(clash, key=names.index)
             raise _mismatch(name, self._owner[name], g.layout)
+        clash = {name for name in self._saved.keys() & fresh if self._saved[name] != g.layout}
+        if clash:
+            name = min(clash, key=names.index)
+            raise _mismatch(name, self._saved[name], g.layout, saved=True)
         g.files |= fresh
         self._owner.update(dict.fromkeys(fresh, g.layout))
 
@@ -540,8 +547,15 @@ def _check_filenames(names: list) -> None:
         raise
 
 
-def _mismatch(name: str, first: Layout, second: Layout) -> ShapeMismatchError:
+def _mismatch(name: str, first: Layout, second: Layout, saved: bool = False) -> ShapeMismatchError:
     rank = _this_rank()
+    if saved:
+        return ShapeMismatchError(
+            f"filename {name!r} on rank {rank}: the run being resumed saved its frames with {first.describe()}, "
+            f"these have {second.describe()}; a resumed run must give each filename the layout it was saved "
+            "with (the same model and outputs), or start over with resume=False, overwrite=True"
+            f"{ragged_hint(first, second)}"
+        )
     return ShapeMismatchError(
         f"filename {name!r}: frames on rank {rank} have {first.describe()} and {second.describe()} "
         f"(ranks [{rank}]); every frame of a filename must have the same structure, shape and dtype"

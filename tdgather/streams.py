@@ -33,6 +33,7 @@ from .pack import pack
 from .plan import Mismatches
 from .pool import BufferPool
 from .protocol import Joiner, end_stream, expect_done, read_frames, send_frames
+from .resume import Saved
 from .sink import DatasetWriter
 from .store import FrameStore
 from .transport import Answers, Call, heartbeat_interval, peer_error
@@ -71,6 +72,7 @@ class Settings:
     progress: bool | None
     metadata: Mapping[str, Any]
     peers: int  # ranks that send to dst
+    resume: bool = False
 
     @property
     def spill_bytes(self) -> int:
@@ -148,6 +150,7 @@ class _Side:
     def __init__(self, chunk_bytes: int, max_pending: int, copy: bool) -> None:
         self.chunk_bytes = chunk_bytes
         self.copy = copy
+        self.saved = Saved()  # what a resumed run saved already (empty for a fresh one)
         self.store = FrameStore(copy)
         self.queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self.failure: BaseException | None = None
@@ -178,7 +181,10 @@ class _Side:
     def _maybe_flush(self) -> None:
         if self.store.nbytes >= self.chunk_bytes:
             self.put(self._chunk(self.store))
-            self.store = FrameStore(self.copy)
+            self.store = self._new_store()
+
+    def _new_store(self) -> FrameStore:
+        return FrameStore(self.copy, self.saved.layouts)
 
     def _chunk(self, store: FrameStore) -> Any:
         """What goes on the queue for a full chunk."""
@@ -208,6 +214,9 @@ class Sender(_Side):
         ready = self.ch.recv_answer()  # 1. rank dst says whether the output can be written
         if ready.kind == Kind.ERROR:
             raise peer_error(settings.dst, ready.header)
+        if "saved" in ready.header:
+            self.saved = Saved.from_wire(ready.header["saved"], settings.dst)
+            self.store = self._new_store()
         self.answer = None
         self.joiner = Joiner(reuse=True)
         self.thread = threading.Thread(target=self._send_loop, name="tdgather-send", daemon=True)
@@ -282,7 +291,7 @@ class Sender(_Side):
         deadline = time.monotonic() + self.timeout.total_seconds()
         if len(self.store):
             self._put_while_sending(self.store, deadline)
-            self.store = FrameStore(self.copy)
+            self.store = self._new_store()
         self._put_while_sending(exc, deadline)
         self._join_send_thread()
         self.watcher.join(self.timeout.total_seconds())
@@ -336,12 +345,19 @@ class Destination(_Side):
         self.pool = BufferPool(col.pool_bytes)  # received buffers, reused within the budget
         try:
             self.writer = DatasetWriter(
-                col.path, overwrite=col.overwrite, max_shard_bytes=col.max_shard_bytes, duplicates=self.policy
+                col.path,
+                overwrite=col.overwrite,
+                max_shard_bytes=col.max_shard_bytes,
+                duplicates=self.policy,
+                resume=col.resume,
             )
         except BaseException as e:
             self.answers.answer_all(Kind.ERROR, error_header(e))
             raise
-        late = self.answers.send_all(Kind.DONE, {"frames": 0})  # 1. ready
+        self.saved = self.writer.saved
+        self.store = self._new_store()
+        ready = {"frames": 0, "saved": self.saved.to_wire()} if self.saved else {"frames": 0}
+        late = self.answers.send_all(Kind.DONE, ready)  # 1. ready, with what a resumed run saved
         if late:  # its pair timed out, and gloo closes them all: name it, rather than let the others blame us
             waited, limit = time.perf_counter() - self.start, col.timeout.total_seconds()
             why = (
@@ -518,7 +534,7 @@ class Destination(_Side):
         self._fail(exc)
         if len(self.store) and not self.local_ended:
             self.queue.put(self._chunk(self.store))  # the writer drains the queue, so this returns
-            self.store = FrameStore(self.copy)
+            self.store = self._new_store()
         self._end_local()
         self.writer_thread.join()
         for t in self.receivers:

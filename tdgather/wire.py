@@ -62,7 +62,7 @@ __all__ = [
 
 MAGIC = int.from_bytes(b"tdgather", "big")
 HEARTBEAT = {"files": [], "groups": []}  # the header of an empty data message
-VERSION = 4  # 4: ragged leaves (elems, lengths)
+VERSION = 5  # 4: ragged leaves (elems, lengths); 5: the ready answer may carry what a resumed run saved
 PRELUDE_LEN = 10
 ALIGN = 64  # every index tensor starts at a multiple of this, so its views are aligned
 
@@ -323,8 +323,9 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
     """
     limits = limits or Limits()
     c = _Check(src)
-    if kind == Kind.DONE:
-        c.int(c.obj(obj, "header", {"frames"})["frames"], "header.frames")
+    if kind == Kind.DONE:  # a ready answer may add "saved" (`tdgather.resume.Saved.from_wire` checks it)
+        keys = {"frames", "saved"} if isinstance(obj, dict) and "saved" in obj else {"frames"}
+        c.int(c.obj(obj, "header", keys)["frames"], "header.frames")
         return obj
     if kind == Kind.ERROR:
         c.obj(obj, "header", {"type", "message"})

@@ -26,7 +26,7 @@ def _run(args, cwd):
 
 
 def test_the_readme_has_the_blocks_this_test_expects():
-    assert len(BLOCKS) == 11, [b.splitlines()[:3] for b in BLOCKS]
+    assert len(BLOCKS) == 12, [b.splitlines()[:3] for b in BLOCKS]
 
 
 def test_every_python_block_runs_as_written_on_two_ranks(tmp_path):
@@ -39,7 +39,7 @@ def test_every_python_block_runs_as_written_on_two_ranks(tmp_path):
     assert (tmp_path / "out" / "quickstart" / "tdgather.index.json").is_file()
     assert (tmp_path / "out" / "dets" / "tdgather.index.json").is_file()
     assert sorted(os.listdir(tmp_path / "out" / "per_node")) == ["node-000"]
-    for ds in ["lightning_0", "lightning_1", "accelerate"]:
+    for ds in ["lightning_0", "lightning_1", "accelerate", "long_job"]:
         assert (tmp_path / "out" / ds / "tdgather.index.json").is_file()
     assert (tmp_path / "out" / "quickstart.parquet").is_file()
 

@@ -11,9 +11,10 @@ from safetensors import safe_open
 
 import tdgather
 import tdgather.sink
+from tdgather._runs import add_runs, in_runs
 from tdgather.duplicates import DuplicateCounts
 from tdgather.errors import OutputError
-from tdgather.sink import INDEX_NAME, _add_runs, _in_runs
+from tdgather.sink import INDEX_NAME
 
 from .cases import MIXED, DepthMask, assert_same_value, bits, value
 
@@ -281,9 +282,9 @@ def test_written_frame_runs_match_a_set(batches):
     runs, seen = None, set()
     probe = torch.arange(-3, 70)
     for idx in batches:
-        runs = _add_runs(runs, torch.tensor(idx))
+        runs = add_runs(runs, torch.tensor(idx))
         seen |= set(idx)
-        assert _in_runs(runs, probe).tolist() == [int(x) in seen for x in probe]
+        assert in_runs(runs, probe).tolist() == [int(x) in seen for x in probe]
         assert bool((runs[1:, 0] > runs[:-1, 1] + 1).all())  # disjoint, not even touching
     assert sum(int(b - a + 1) for a, b in runs.tolist()) == len(seen)
 

@@ -1,0 +1,37 @@
+"""Sets of frame indexes kept as runs: int64 ``[k, 2]``, inclusive ``[first, last]``, sorted, disjoint.
+
+Frames usually come in order, so a filename costs a few runs, not 8 bytes per frame.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["add_runs", "in_runs"]
+
+
+def add_runs(runs: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
+    """The union of ``runs`` (int64 ``[k, 2]``, inclusive, sorted, disjoint) and the indices ``idx``.
+
+    Frames usually come in order, so a filename costs a few runs, not 8 bytes per frame written.
+    """
+    idx = torch.unique(idx.to(torch.int64))
+    new_run = torch.ones_like(idx, dtype=torch.bool)
+    new_run[1:] = idx[1:] - idx[:-1] != 1
+    first = new_run.nonzero().flatten()
+    last = torch.cat([first[1:] - 1, torch.tensor([idx.numel() - 1])])
+    fresh = torch.stack([idx[first], idx[last]], dim=1)
+    both = fresh if runs is None else torch.cat([runs, fresh])
+    both = both[torch.argsort(both[:, 0])]
+    reach = torch.cummax(both[:, 1], dim=0).values
+    starts = torch.ones(both.shape[0], dtype=torch.bool)
+    starts[1:] = both[1:, 0] > reach[:-1] + 1
+    heads = starts.nonzero().flatten()
+    tails = torch.cat([heads[1:] - 1, torch.tensor([both.shape[0] - 1])])
+    return torch.stack([both[heads, 0], reach[tails]], dim=1)
+
+
+def in_runs(runs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Which of ``idx`` lie in ``runs`` (as `add_runs` makes them)."""
+    at = torch.searchsorted(runs[:, 0].contiguous(), idx.to(torch.int64), right=True) - 1
+    return (at >= 0) & (idx <= runs[at.clamp(min=0), 1])

@@ -1,0 +1,88 @@
+"""Per-rank cases for resume (tests/test_resume.py): a shuffled, padded sampler over (filename, frame_idx)
+samples, a model run in batches, a Collector with ``resume=``; a rank (or rank dst) may SIGKILL itself.
+
+The model is elementwise, so a frame's value does not depend on the batch it was computed in:
+an interrupted and resumed run must give the uninterrupted run's dataset bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+import tdgather
+
+SIDE = 24  # frames are [3, SIDE, SIDE]: about 7 KB each
+
+
+def samples() -> list[tuple[str, int]]:
+    """The whole run's work: 6 videos of 7 to 22 frames (87 frames)."""
+    return [(f"video_{v}.mp4", i) for v in range(6) for i in range(7 + 3 * v)]
+
+
+def frame_input(name: str, i: int) -> torch.Tensor:
+    v = int(name.removeprefix("video_").removesuffix(".mp4"))
+    return torch.rand(3, SIDE, SIDE, generator=torch.Generator().manual_seed(1000 * v + i))
+
+
+def model(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Elementwise, so batch-independent: bit-exact whatever the batches."""
+    return {"depth": torch.tanh(x[:, :1] * 1.7 + 0.3), "feat": (x * 3 - 1).to(torch.bfloat16)}
+
+
+def _die_at_write(count: int) -> None:
+    """SIGKILL this process at its ``count``-th file write (rank dst killed while writing)."""
+    from tdgather import sink
+
+    real, seen = sink._write_all, {"n": 0}
+
+    def write_all(fd, chunks):
+        seen["n"] += 1
+        if seen["n"] == count:
+            real(fd, list(chunks)[:1])  # half a file: the temporary name a killed writer leaves
+            time.sleep(1.0)  # the earlier shards' fsync and rename (a background thread) finish first
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(fd, chunks)
+
+    sink._write_all = write_all
+
+
+def case_run(out: str, resume: bool, kill: dict | None = None, batch: int = 4, layout: str = "same") -> dict:
+    """One attempt: ``kill`` = {"rank": r, "batch": b} (a rank) or {"rank": 0, "write": n} (rank dst)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if kill and kill["rank"] == rank and "write" in kill:
+        _die_at_write(kill["write"])
+    col = tdgather.Collector(
+        out,
+        resume=resume,
+        overwrite=not resume,
+        duplicates="exact",
+        memory_budget=96 << 10,
+        chunk_bytes=16 << 10,
+        timeout=60,
+    )
+    with col:
+        todo = col.saved.todo(samples())
+        sampler = DistributedSampler(todo, num_replicas=world, rank=rank, shuffle=True, seed=0)
+        for b, (names, idx) in enumerate(DataLoader(todo, batch_size=batch, sampler=sampler)):
+            if kill and kill["rank"] == rank and kill.get("batch") == b:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x = torch.stack([frame_input(n, int(i)) for n, i in zip(names, idx, strict=True)])
+            out_frames = model(x)
+            if layout == "wider":  # a different model on resume: another shape for the same filenames
+                out_frames["depth"] = torch.cat([out_frames["depth"]] * 2, dim=1)
+            col.add(names, idx, out_frames)
+    return {"todo": len(todo), "saved_frames": col.saved.num_frames, "saved_files": len(col.saved)}
+
+
+def case_run_reporting(out: str, resume: bool, layout: str) -> dict:
+    """`case_run`, returning the error each rank saw instead of raising."""
+    try:
+        return {"ok": case_run(out, resume, layout=layout)}
+    except tdgather.TdgatherError as e:
+        return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
