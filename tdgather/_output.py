@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import re
 from pathlib import Path
@@ -29,6 +30,7 @@ __all__ = [
     "SHARD_VERSION",
     "check_output",
     "fsync_dir",
+    "lock_dir",
     "publish",
     "remove_ours",
     "staging_of",
@@ -188,6 +190,28 @@ def _exchange(a: Path, b: Path) -> bool:
     if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), str(b))
+
+
+def lock_dir(path: Path) -> int:
+    """Hold an exclusive lock on a staging directory; return its descriptor (closing it releases the lock).
+
+    Two jobs writing one output (a requeued job whose first run still lives) would mix their shards.
+
+    Raises:
+        OutputError: another process holds the lock.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OutputError(
+            f"{str(path)!r} is being written by another process (the same job running twice?): wait for it to "
+            "end, or choose another path"
+        ) from None
+    except OSError:  # a filesystem without locks: nothing to hold
+        pass
+    return fd
 
 
 def fsync_dir(path: Path) -> None:

@@ -52,17 +52,21 @@ class Dataset(Mapping[str, Frames]):
     def __init__(self, path: str | os.PathLike, incomplete: bool = False) -> None:
         self.path = Path(path)
         partial = self.path.with_name(self.path.name + ".partial")
+        built = None
         if incomplete:
             if not self.path.name.endswith(".partial"):
                 self.path = partial
             index_path = self.path / INCOMPLETE_NAME
-            if not index_path.is_file():
+            from .resume import partial_index  # the shards' own records: also after a killed rank dst
+
+            built = partial_index(self.path) if self.path.is_dir() else None
+            if built is None and not index_path.is_file():
                 raise OutputError(
-                    f"{str(self.path)!r} holds no {INCOMPLETE_NAME}: no failed run recorded what it saved there"
+                    f"{str(self.path)!r} holds no shards and no {INCOMPLETE_NAME}: no failed run saved anything there"
                 )
         else:
             index_path = self.path / INDEX_NAME
-        if not index_path.is_file():
+        if built is None and not index_path.is_file():
             hint = ""
             if (partial / INCOMPLETE_NAME).exists():
                 hint = (
@@ -72,12 +76,18 @@ class Dataset(Mapping[str, Frames]):
             elif (partial / INDEX_NAME).exists():
                 hint = f"; {str(partial)!r} holds a complete dataset whose move into place was interrupted"
             elif partial.exists():
-                hint = f"; {str(partial)!r} holds shards of an interrupted run"
+                hint = (
+                    f"; {str(partial)!r} holds shards of an interrupted run: tdgather.open(path, incomplete=True) "
+                    "reads them, Collector(path, resume=True) continues it"
+                )
             raise OutputError(f"{str(self.path)!r} is not a complete tdgather dataset: no {INDEX_NAME}{hint}")
-        if os.path.dirname(os.path.realpath(index_path)) != os.path.realpath(self.path):
-            raise DatasetError(str(index_path), "file", "expected a file in the dataset directory, got a link out")
         self._index = Check(index_path)
-        self.index: dict[str, Any] = load_json(index_path.read_bytes(), self._index, "index")
+        if built is not None:
+            self.index: dict[str, Any] = built
+        else:
+            if os.path.dirname(os.path.realpath(index_path)) != os.path.realpath(self.path):
+                raise DatasetError(str(index_path), "file", "expected a file in the dataset directory, got a link out")
+            self.index = load_json(index_path.read_bytes(), self._index, "index")
         self._plan = check_index(self.index, str(index_path), incomplete)  # all of it, before any shard
         self.metadata: dict[str, Any] = self.index["metadata"]
         self._files: dict[str, dict] = self.index["files"]

@@ -46,7 +46,7 @@ from .reader import Dataset
 from .store import _as_index, _index_value
 from .wire import _Check, _decode_layout
 
-__all__ = ["Saved", "SavedState", "load_state", "new_run", "saved"]
+__all__ = ["Saved", "SavedState", "load_state", "new_run", "partial_index", "saved"]
 
 _TMP = re.compile(r"\..+\.tmp-\d+")  # a file a killed writer left half-written: never listed anywhere
 
@@ -113,8 +113,10 @@ class Saved(Mapping[str, torch.Tensor]):
         return self._starts[name], self._ends[name]
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        starts, ends = self._runs(name)
-        return torch.cat([torch.arange(s, e + 1) for s, e in zip(starts, ends, strict=True)])
+        starts, ends = self._runs(name)  # arange(s, e) + [e]: e + 1 may not fit in int64
+        return torch.cat(
+            [torch.cat([torch.arange(s, e), torch.tensor([e])]) for s, e in zip(starts, ends, strict=True)]
+        )
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._starts)
@@ -131,6 +133,8 @@ class Saved(Mapping[str, torch.Tensor]):
         A filename alone cannot say it: tdgather does not know how many frames it has. For a
         sample that is a whole video, pass ``range(num_frames)``.
         """
+        if isinstance(frame_idx, range | list | tuple) and not frame_idx:
+            return True  # no frames: nothing left to do
         if filename not in self._starts:
             return False
         starts, ends = self._runs(filename)
@@ -157,6 +161,11 @@ class Saved(Mapping[str, torch.Tensor]):
         out = []
         for item in items:
             pair = key(item) if key is not None else item
+            if isinstance(pair, Mapping):  # a dict would unpack to its keys
+                raise TypeError(
+                    f"Saved.todo: got a {type(pair).__name__} item and no key; pass "
+                    "key=lambda item: (item['filename'], item['frame_idx'])"
+                )
             try:
                 filename, frame_idx = pair
             except (TypeError, ValueError):
@@ -238,6 +247,42 @@ def saved(path: str | os.PathLike) -> Saved:
     target = Path(path)
     state = _read(target, staging_of(target), overwrite=True)
     return state.saved() if state is not None else Saved()
+
+
+def partial_index(staging: Path) -> dict | None:
+    """What a failed run saved in ``staging``, as an incomplete index, from the shards' own records.
+
+    The truth also after rank dst was killed (no ``tdgather.incomplete.json``), or after a resumed
+    attempt failed. None when there are no shards, or shards of a tdgather that kept no record.
+    """
+    names = _shard_files(staging)
+    for name in names:
+        with open_shard(staging, name, Check(staging), "shard") as f:
+            if "segments" not in (f.metadata() or {}):
+                return None
+    if not names:
+        return None
+    state = _from_shards(staging, names)
+    last = state.attempts[-1]
+    record = _record(staging)  # its other keys (frames per rank, duplicates, yours), if it is the last attempt's
+    recorded_last = max(
+        (a["attempt"] for a in _attempts(record, Check(staging / INCOMPLETE_NAME), "metadata")), default=0
+    )
+    return {
+        "format": FORMAT,
+        "version": INDEX_VERSION,
+        "metadata": {
+            **(record if recorded_last == last["attempt"] else {}),
+            "run": state.run,
+            "attempts": state.attempts,
+            "failure": last["failure"] or _UNRECORDED,
+            "total_frames": sum(s["frames"] for s in state.shards.values()),
+            "total_bytes": sum(s["bytes"] for s in state.shards.values()),
+            "num_filenames": len(state.files),
+        },
+        "shards": state.shards,
+        "files": dict(sorted(state.files.items())),
+    }
 
 
 def load_state(target: Path, staging: Path, overwrite: bool) -> SavedState | None:
@@ -387,14 +432,28 @@ _UNRECORDED = {
 }
 
 
-def _recorded_attempts(root: Path) -> dict[int, dict]:
-    """The attempts the last failed attempt recorded (``tdgather.incomplete.json``), by number."""
+def _record(root: Path) -> dict:
+    """The metadata the last failed attempt recorded (``tdgather.incomplete.json``), or {}."""
     path = root / INCOMPLETE_NAME
     if not path.is_file():
         return {}
     c = Check(path)
-    meta = c.mapping(load_json(path.read_bytes(), c, "index"), "index").get("metadata")
-    return {a["attempt"]: a for a in _attempts(c.mapping(meta, "metadata"), c, "metadata")}
+    meta = c.mapping(c.mapping(load_json(path.read_bytes(), c, "index"), "index").get("metadata"), "metadata")
+    if "failure" in meta:
+        _failure(meta["failure"], c, "metadata.failure")
+    return meta
+
+
+def _failure(obj: Any, c: Check, field: str) -> None:
+    failure = c.obj(obj, field, {"type", "message", "rank"})
+    c.str(failure["type"], f"{field}.type"), c.str(failure["message"], f"{field}.message")
+    if failure["rank"] is not None:
+        c.int(failure["rank"], f"{field}.rank")
+
+
+def _recorded_attempts(root: Path) -> dict[int, dict]:
+    """The attempts the last failed attempt recorded, by number."""
+    return {a["attempt"]: a for a in _attempts(_record(root), Check(root / INCOMPLETE_NAME), "metadata")}
 
 
 def _attempts(meta: dict, c: Check, field: str) -> list[dict]:
@@ -405,10 +464,7 @@ def _attempts(meta: dict, c: Check, field: str) -> list[dict]:
         c.obj(a, f, {"attempt", "frames", "failure"})
         c.int(a["attempt"], f"{f}.attempt"), c.int(a["frames"], f"{f}.frames")
         if a["failure"] is not None:
-            failure = c.obj(a["failure"], f"{f}.failure", {"type", "message", "rank"})
-            c.str(failure["type"], f"{f}.failure.type"), c.str(failure["message"], f"{f}.failure.message")
-            if failure["rank"] is not None:
-                c.int(failure["rank"], f"{f}.failure.rank")
+            _failure(a["failure"], c, f"{f}.failure")
         out.append(a)
     return out
 

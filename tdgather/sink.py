@@ -48,6 +48,7 @@ from ._output import (
     SHARD_VERSION,
     check_output,
     fsync_dir,
+    lock_dir,
     publish,
     remove_ours,
     staging_of,
@@ -106,11 +107,19 @@ class DatasetWriter:
         self.target = check_output(path, overwrite, resume)
         self.staging = staging_of(self.target)
         self.max_shard_bytes = max_shard_bytes
-        state = load_state(self.target, self.staging, overwrite) if resume else None
-        if state is None:
-            remove_ours(self.staging)  # check_output allowed only tdgather's own files there
-            self.staging.mkdir()
-            state = SavedState(new_run())
+        self._lock = lock_dir(self.staging) if self.staging.is_dir() else None  # no other job writes there now
+        try:
+            state = load_state(self.target, self.staging, overwrite) if resume else None
+            if state is None:
+                remove_ours(self.staging)  # check_output allowed only tdgather's own files there
+                self.staging.mkdir()
+                state = SavedState(new_run())
+            if self._lock is None or not os.path.samestat(os.fstat(self._lock), os.stat(self.staging)):
+                self._unlock()
+                self._lock = lock_dir(self.staging)
+        except BaseException:
+            self._unlock()
+            raise
         # resuming a complete dataset replaces it with one that holds all its frames
         self.overwrite = overwrite or (resume and (self.target / INDEX_NAME).is_file())
         self.run, self.attempts, self.attempt = state.run, state.attempts, state.attempt
@@ -267,7 +276,13 @@ class DatasetWriter:
         (self.staging / INCOMPLETE_NAME).unlink(missing_ok=True)  # an earlier attempt's record
         _write_atomic(self.staging / INDEX_NAME, [self._index(metadata)])
         publish(self.staging, self.target, self.overwrite)
+        self._unlock()
         return self.target
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def abort(
         self, failure: BaseException | None = None, metadata: Mapping[str, Any] | None = None, rank: int | None = None
@@ -292,6 +307,7 @@ class DatasetWriter:
                 who = rank
             info = {"type": type(failure).__name__, "message": str(failure), "rank": who}
             _write_atomic(self.staging / INCOMPLETE_NAME, [self._index({**(metadata or {}), "failure": info}, info)])
+        self._unlock()
         return self.staging
 
     def _in_background(self, shard_name: str) -> Callable[[Callable[[], None]], None]:
@@ -375,6 +391,7 @@ def save(
     except BaseException:
         if not (writer.staging / INDEX_NAME).exists():  # the caller still holds the frames: leave nothing
             remove_ours(writer.staging)
+        writer._unlock()
         raise
 
 

@@ -355,3 +355,38 @@ def test_the_lightning_writer_resumes(tmp_path):
     ref = tdgather.open(full)
     for n in ref:
         assert torch.equal(bits(ds[n].frames["y"]), bits(ref[n].frames["y"])), n
+
+
+def test_two_jobs_writing_one_output_are_refused(tmp_path):
+    """A requeued job whose first run still lives: the second refuses instead of mixing shards."""
+    out = tmp_path / "ds"
+    local_run(out, frames_of(1), fail=True)
+    first = tdgather.Collector(out, resume=True).open()
+    with pytest.raises(OutputError, match="being written by another process"):
+        tdgather.Collector(out, resume=True).open()
+    with pytest.raises(OutputError, match="being written by another process"):
+        tdgather.Collector(out, overwrite=True).open()
+    first.update({"f9.mp4": (0, torch.zeros(4))})
+    first.close()
+    assert sorted(tdgather.open(out)) == ["f0.mp4", "f9.mp4"]
+    local_run(out, frames_of(1), resume=True)  # released once closed
+
+
+def test_what_a_killed_rank_dst_saved_reads_with_incomplete_true(tmp_path):
+    out = tmp_path / "ds"
+    local_run(out, frames_of(2), fail=True)
+    (tmp_path / "ds.partial" / INCOMPLETE_NAME).unlink()  # as when rank dst is killed: shards, no record
+    ds = tdgather.open(out, incomplete=True)
+    assert sorted(ds) == ["f0.mp4", "f1.mp4"] and ds.metadata["failure"]["type"] == "Unrecorded"
+    local_run(out, {"f2.mp4": frames_of(3)["f2.mp4"]}, resume=True, fail=True)  # a resumed attempt fails
+    ds = tdgather.open(out, incomplete=True)  # every attempt's frames, not only the first record's
+    assert sorted(ds) == ["f0.mp4", "f1.mp4", "f2.mp4"] and [a["frames"] for a in ds.metadata["attempts"]] == [10, 5]
+    assert ds.metadata["failure"]["type"] == "RuntimeError"
+
+
+def test_saved_edges():
+    s = Saved({"a": [2**63 - 2, 2**63 - 1]})
+    assert s["a"].tolist() == [2**63 - 2, 2**63 - 1]
+    assert s.has("b", range(0)) and s.has("a", range(0))  # no frames: nothing to do
+    with pytest.raises(TypeError, match="pass key=lambda item"):
+        s.todo([{"filename": "a", "frame_idx": 2**63 - 1}])
