@@ -67,7 +67,6 @@ class SavedState:
         layouts: each filename's layout.
         written: per filename, the frame_idx saved, as runs (`tdgather._runs`).
         attempts: one record per earlier attempt: ``{"attempt", "frames", "failure"}``.
-        next_shard: the number the next shard takes.
     """
 
     run: str
@@ -76,7 +75,11 @@ class SavedState:
     layouts: dict[str, Layout] = field(default_factory=dict)
     written: dict[str, torch.Tensor] = field(default_factory=dict)
     attempts: list[dict] = field(default_factory=list)
-    next_shard: int = 0
+
+    @property
+    def next_shard(self) -> int:
+        """The number the next shard takes: past every shard saved (a failed one may leave a gap)."""
+        return 1 + max((int(re.findall(r"\d+", n)[-1]) for n in self.shards), default=-1)
 
     @property
     def attempt(self) -> int:
@@ -256,13 +259,9 @@ def partial_index(staging: Path) -> dict | None:
     attempt failed. None when there are no shards, or shards of a tdgather that kept no record.
     """
     names = _shard_files(staging)
-    for name in names:
-        with open_shard(staging, name, Check(staging), "shard") as f:
-            if "segments" not in (f.metadata() or {}):
-                return None
-    if not names:
+    state = _from_shards(staging, names, required=False) if names else None
+    if state is None:
         return None
-    state = _from_shards(staging, names)
     last = state.attempts[-1]
     record = _record(staging)  # its other keys (frames per rank, duplicates, yours), if it is the last attempt's
     recorded_last = max(
@@ -348,8 +347,12 @@ def _from_index(root: Path) -> SavedState:
     return state
 
 
-def _from_shards(root: Path, names: list[str]) -> SavedState:
-    """A failed attempt's state, from its shards' own records (the incomplete record adds failures)."""
+def _from_shards(root: Path, names: list[str], required: bool = True) -> SavedState | None:
+    """A failed attempt's state, from its shards' own records (the incomplete record adds failures).
+
+    A shard of an older tdgather, which keeps no record, raises `DatasetError`; unless ``required``
+    is False: then this returns None.
+    """
     shards: dict[str, dict] = {}
     files: dict[str, dict] = {}
     frames_of: dict[int, int] = {}
@@ -360,6 +363,8 @@ def _from_shards(root: Path, names: list[str]) -> SavedState:
             meta = f.metadata() or {}
             record = meta.get("segments")
             if record is None:
+                if not required:
+                    return None
                 raise c.fail(
                     "__metadata__.segments",
                     "the shard's record of its segments, which tdgather writes since index version 3 (an older "
@@ -496,7 +501,6 @@ def _read_frames(root: Path, state: SavedState) -> None:
         if int((runs[:, 1] - runs[:, 0] + 1).sum()) != all_idx.numel():
             raise DatasetError(str(root), f"files[{name!r}]", "expected each frame once, got a frame in two segments")
         state.written[name] = runs
-    state.next_shard = 1 + max((int(re.findall(r"\d+", n)[-1]) for n in state.shards), default=-1)
 
 
 def _shard_files(root: Path) -> list[str]:

@@ -113,9 +113,9 @@ class DatasetWriter:
             if state is None:
                 remove_ours(self.staging)  # check_output allowed only tdgather's own files there
                 self.staging.mkdir()
+                self._unlock()  # the removed directory's
                 state = SavedState(new_run())
-            if self._lock is None or not os.path.samestat(os.fstat(self._lock), os.stat(self.staging)):
-                self._unlock()
+            if self._lock is None:  # a new staging directory (fresh, or made from a complete dataset)
                 self._lock = lock_dir(self.staging)
         except BaseException:
             self._unlock()
