@@ -10,6 +10,10 @@ Several machines: the same command on every node, with the same rendezvous id an
     torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-id=predict-42 \
              --rdzv-endpoint=node0.example.com:29400 examples/predict.py --out /data/predict
 
+With a writer on every node (`--writer-per-node`), each node's first rank writes its node's frames
+and rank 0 writes one index over all of them at the end; `--out` must then be one directory every
+node sees (a shared filesystem).
+
 On GPUs the default group is ``cpu:gloo,cuda:nccl`` and the model runs on the GPU; tdgather sends
 on its own gloo group and nothing comes back to a GPU. Without GPUs it is plain gloo.
 """
@@ -37,6 +41,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds any single wait may take")
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even where CUDA is available")
+    p.add_argument("--writer-per-node", action="store_true", help="one writer per node (--out on a shared filesystem)")
     args = p.parse_args()
 
     cuda = torch.cuda.is_available() and not args.cpu
@@ -52,7 +57,9 @@ def main() -> None:
     model = DemoNet().to(device).eval()
     mine = assignment(args.seed, lengths, world)[rank]  # uneven, shuffled; the last rank gets nothing
 
-    with tdgather.Collector(args.out, overwrite=True, timeout=args.timeout) as col, torch.inference_mode():
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"]) if args.writer_per_node else None  # set by torchrun
+    col = tdgather.Collector(args.out, overwrite=True, timeout=args.timeout, ranks_per_writer=per_node)
+    with col, torch.inference_mode():
         for i in range(0, len(mine), args.batch):
             batch = mine[i : i + args.batch]
             x = torch.cat([video_frames(args.seed, v, [t], args.size) for v, t in batch]).to(device)

@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from ._dtypes import SAFETENSORS_CODE, dtype_name
 from ._names import GroupNames, group_names
-from ._output import FORMAT, INDEX_VERSION, SHARD_VERSION
+from ._output import FORMAT, INDEX_VERSION, SHARD_VERSION, WRITERS_VERSION
 from .errors import DatasetError
 from .frames import Layout
 from .wire import _Check, _decode_layout
@@ -45,9 +45,11 @@ __all__ = [
     "shard_groups",
 ]
 
-VERSIONS = (1, 2, INDEX_VERSION)  # the index versions this tdgather reads
+VERSIONS = (1, 2, INDEX_VERSION, WRITERS_VERSION)  # the index versions this tdgather reads
 _SHARD_VERSIONS = ("1", SHARD_VERSION)  # a shard's __metadata__.version (tensor names: `tdgather._names`)
-SHARD_NAME = re.compile(r"shard-[0-9]{5,}\.safetensors")  # as DatasetWriter names them
+SHARD_NAME = re.compile(
+    r"shard-[0-9]{5,}(-[0-9]{5,})?\.safetensors"
+)  # as DatasetWriter names them (`tdgather.writers`)
 GROUP_NAME = re.compile(r"g[0-9]+")
 _DTYPE_OF_CODE = {code: dtype_name(dt) for dt, code in SAFETENSORS_CODE.items()}
 _SCALARS = (str, int, float, bool, type(None))

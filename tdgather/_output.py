@@ -28,6 +28,7 @@ __all__ = [
     "INDEX_NAME",
     "INDEX_VERSION",
     "SHARD_VERSION",
+    "WRITERS_VERSION",
     "check_output",
     "fsync_dir",
     "lock_dir",
@@ -38,14 +39,13 @@ __all__ = [
 
 FORMAT = "tdgather"  # the index's and every shard's "format"
 INDEX_VERSION = 3  # the index version the sink writes (3: shards record their segments, run and attempt)
+WRITERS_VERSION = 4  # ... when several writers wrote it: shard names carry the writer (`tdgather.writers`)
 SHARD_VERSION = "2"  # a shard's __metadata__.version: how its tensors are named (`tdgather._names`)
 INDEX_NAME = "tdgather.index.json"
 INCOMPLETE_NAME = "tdgather.incomplete.json"  # what a failed run saved, in <name>.partial
 
-_OURS = re.compile(
-    r"(shard-\d{5,}\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + r")"
-    r"|\.(shard-\d{5,}\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + r")\.tmp-\d+"
-)
+_FILES = r"(shard-\d{5,}(-\d{5,})?\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + ")"
+_OURS = re.compile(_FILES + r"|\." + _FILES + r"\.tmp-\d+")
 
 
 def _foreign(directory: Path) -> list[str]:

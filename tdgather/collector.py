@@ -23,6 +23,10 @@ within the timeout. Rank ``dst`` answers ``error`` to every peer at once, writes
 that reached it (until each peer's stream ends) to ``<path>.partial``, lists it there in
 ``tdgather.incomplete.json`` (read with ``tdgather.open(path, incomplete=True)``), and writes
 no index.
+
+With ``ranks_per_writer=k`` every block of k ranks has its own writer, its first rank, which
+plays rank ``dst``'s part for its block and, at close, reports its shards to rank ``dst``, which
+writes one index over all of them (`tdgather.writers`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -77,6 +82,11 @@ class Collector:
         resume: continue a run that failed (or finished): keep what ``<path>.partial`` (or ``path``)
             holds, give every rank ``saved`` to skip it, drop frames sent again by the duplicates
             policy, and record each attempt in the index. Nothing saved: a fresh run.
+        ranks_per_writer: one writer per block of this many consecutive ranks (a node: torchrun's
+            ``LOCAL_WORLD_SIZE``), instead of rank ``dst`` alone. Each block's first rank receives its
+            block's frames and writes them as shards of its own into ``<path>.partial``, which every
+            writer must see (a shared filesystem); at close rank ``dst`` (a writer: a multiple of
+            this) writes one index over all of them. See `tdgather.writers`.
     """
 
     def __init__(
@@ -97,6 +107,7 @@ class Collector:
         log_summary: bool = False,
         metadata: Mapping[str, Any] | None = None,
         resume: bool = False,
+        ranks_per_writer: int | None = None,
     ) -> None:
         for name, value, low in (("memory_budget", memory_budget, 1), ("max_pending", max_pending, 1)):
             if not isinstance(value, int) or value < low:
@@ -111,6 +122,9 @@ class Collector:
         self.metadata = dict(metadata or {})
         self.max_shard_bytes, self.progress, self.log_summary = max_shard_bytes, progress, log_summary
         self.duplicates, self.copy = DuplicatePolicy.of(duplicates), copy
+        if ranks_per_writer is not None and (type(ranks_per_writer) is not int or ranks_per_writer < 1):
+            raise ValueError(f"ranks_per_writer: expected None or an integer >= 1, got {ranks_per_writer!r}")
+        self.ranks_per_writer = ranks_per_writer
         self._chunk_bytes = chunk_bytes
         self._side: Sender | Destination | None = None
         self._call: Call | None = None
@@ -124,6 +138,8 @@ class Collector:
         rank, world = (dist.get_rank(pg), dist.get_world_size(pg)) if distributed else (0, 1)
         if not 0 <= self.dst < world:
             raise ValueError(f"dst: expected a group rank in 0..{world - 1}, got {self.dst}")
+        k = self._block(world)
+        block = [p for p in range(rank - rank % k, min(rank - rank % k + k, world)) if p != rank]
         chunk = self._chunk_bytes or min(64 << 20, max(256 << 10, self.memory_budget // (8 * (world + 1))))
         settings = Settings(
             path=self.path,
@@ -145,17 +161,50 @@ class Collector:
             self._side = Destination(settings, None, rank, [])
             self._saved = self._side.saved
             return self
-        self._call = begin_call(pg, "Collector", self.dst, self.timeout, str(self.path))
+        kind = "Collector" if k >= world else f"Collector(ranks_per_writer={k})"  # every rank must agree on k
+        self._call = begin_call(pg, kind, self.dst, self.timeout, str(self.path))
         try:
-            if rank == self.dst:
-                self._side = Destination(settings, self._call, rank, [p for p in range(world) if p != rank])
+            if k >= world:  # one writer: rank dst
+                if rank == self.dst:
+                    self._side = Destination(settings, self._call, rank, [p for p in range(world) if p != rank])
+                else:
+                    self._side = Sender(settings, self._call)
             else:
-                self._side = Sender(settings, self._call)
+                self._side = self._open_writers(settings, rank, world, k, block)
         except BaseException:
             self._end_call()
             raise
         self._saved = self._side.saved
         return self
+
+    def _block(self, world: int) -> int:
+        """Ranks per writer in a group of ``world`` ranks (all of them: rank dst alone)."""
+        k = min(self.ranks_per_writer or world, world)
+        if k < world and self.dst % k:
+            raise ValueError(
+                f"dst: with ranks_per_writer={k}, rank dst coordinates the writers and must be one of them "
+                f"(a multiple of {k}), got {self.dst}"
+            )
+        return k
+
+    def _open_writers(self, settings: Settings, rank: int, world: int, k: int, block: list[int]) -> Any:
+        """This rank's side with one writer per block of k ranks: the coordinator, a writer, or a sender to one."""
+        if rank == self.dst:
+            writers = {w: w // k for w in range(0, world, k) if w != rank}
+            peers = sorted({*block, *writers})
+            return Destination(replace(settings, peers=len(peers)), self._call, rank, peers, rank // k, writers)
+        if rank % k:
+            return Sender(replace(settings, dst=rank - rank % k), self._call)
+        up = Sender(replace(settings, peers=1), self._call, relay=True)  # waits for the coordinator's ready
+        try:
+            side = Destination(replace(settings, dst=rank, peers=len(block)), self._call, rank, block, rank // k, up=up)
+        except BaseException as e:
+            up.abort(e)
+            raise
+        up.on_fail = side._fail
+        if up.failure is not None:
+            side._fail(up.failure)
+        return side
 
     @property
     def saved(self) -> Saved:

@@ -16,6 +16,7 @@ heartbeats until then (`tdgather.transport.Answers`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -86,11 +87,11 @@ def send_frames(ch: Channel, packed: Packed, joiner: Joiner) -> list:
     return works
 
 
-def end_stream(ch: Channel, frames: int | None = None, error: BaseException | None = None) -> list:
-    """Post the end of a stream: ``done`` with the frames sent, or ``error``."""
+def end_stream(ch: Channel, frames: int | None = None, error: BaseException | None = None, **more: Any) -> list:
+    """Post the end of a stream: ``done`` with the frames sent (and ``more``: a writer's ``part``), or ``error``."""
     if error is not None:
         return ch.send(Kind.ERROR, error_header(error))
-    return ch.send(Kind.DONE, {"frames": frames})
+    return ch.send(Kind.DONE, {"frames": frames, **more})
 
 
 def read_pieces(ch: Channel, header: DataHeader, land: Land) -> None:

@@ -40,11 +40,13 @@ from ._index_check import (
 )
 from ._output import FORMAT, INCOMPLETE_NAME, INDEX_NAME, INDEX_VERSION, fsync_dir, staging_of
 from ._runs import add_runs
+from .duplicates import DuplicateCounts
 from .errors import DatasetError, OutputError
 from .frames import Layout
 from .reader import Dataset
 from .store import _as_index, _index_value
 from .wire import _Check, _decode_layout
+from .writers import index_version, resolve, shard_order
 
 __all__ = ["Saved", "SavedState", "load_state", "new_run", "partial_index", "saved"]
 
@@ -67,6 +69,7 @@ class SavedState:
         layouts: each filename's layout.
         written: per filename, the frame_idx saved, as runs (`tdgather._runs`).
         attempts: one record per earlier attempt: ``{"attempt", "frames", "failure"}``.
+        duplicates: copies of a frame in several writers' shards, dropped when read back.
     """
 
     run: str
@@ -75,11 +78,7 @@ class SavedState:
     layouts: dict[str, Layout] = field(default_factory=dict)
     written: dict[str, torch.Tensor] = field(default_factory=dict)
     attempts: list[dict] = field(default_factory=list)
-
-    @property
-    def next_shard(self) -> int:
-        """The number the next shard takes: past every shard saved (a failed one may leave a gap)."""
-        return 1 + max((int(re.findall(r"\d+", n)[-1]) for n in self.shards), default=-1)
+    duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)  # copies dropped across writers
 
     @property
     def attempt(self) -> int:
@@ -269,7 +268,7 @@ def partial_index(staging: Path) -> dict | None:
     )
     return {
         "format": FORMAT,
-        "version": INDEX_VERSION,
+        "version": index_version(state.shards),
         "metadata": {
             **(record if recorded_last == last["attempt"] else {}),
             "run": state.run,
@@ -347,15 +346,20 @@ def _from_index(root: Path) -> SavedState:
     return state
 
 
-def _from_shards(root: Path, names: list[str], required: bool = True) -> SavedState | None:
+def _from_shards(
+    root: Path, names: list[str], required: bool = True, policy: Any = "keep", frames: bool = True
+) -> SavedState | None:
     """A failed attempt's state, from its shards' own records (the incomplete record adds failures).
 
-    A shard of an older tdgather, which keeps no record, raises `DatasetError`; unless ``required``
-    is False: then this returns None.
+    Copies of one frame in shards of several writers or attempts are resolved by ``policy``
+    (`tdgather.writers.resolve`); with ``frames`` False, ``written`` is left empty. A shard of an
+    older tdgather, which keeps no record, raises `DatasetError`; unless ``required`` is False:
+    then this returns None.
     """
     shards: dict[str, dict] = {}
     files: dict[str, dict] = {}
-    frames_of: dict[int, int] = {}
+    attempt_of: dict[str, int] = {}
+    layout_of: dict[tuple[str, str], Layout] = {}
     runs = set()
     for name in names:
         c = Check(root / name)
@@ -380,8 +384,10 @@ def _from_shards(root: Path, names: list[str], required: bool = True) -> SavedSt
             attempt = meta.get("attempt", "")
             if not (attempt.isdigit() and 0 < int(attempt) < 1 << 31):
                 raise c.fail("__metadata__.attempt", "a positive integer", attempt)
+            attempt_of[name] = int(attempt)
             raw = shard_groups(f, c)
             groups = {g: check_layout(desc, c, f"__metadata__.groups[{g!r}]") for g, desc in raw.items()}
+            layout_of.update(((name, g), layout) for g, layout in groups.items())
             rows = {g: check_group(f, c, g, layout) for g, layout in groups.items()}
             covered = dict.fromkeys(groups, 0)
             segments = c.list(load_json(c.str(record, "__metadata__.segments"), c, "__metadata__.segments"), "segments")
@@ -405,9 +411,16 @@ def _from_shards(root: Path, names: list[str], required: bool = True) -> SavedSt
                     if leaf.ragged:
                         nbytes += f.get_slice(tensor).get_shape()[0] * leaf.row_nbytes
             shards[name] = {"frames": sum(rows.values()), "bytes": nbytes, "groups": raw}
-            frames_of[int(attempt)] = frames_of.get(int(attempt), 0) + sum(rows.values())
     if len(runs) > 1:
         raise DatasetError(str(root), "shards", f"expected the shards of one run, got runs {sorted(runs)}")
+    order_of = {name: shard_order(name, attempt) for name, attempt in attempt_of.items()}
+    duplicates, dropped = resolve(root, files, layout_of, order_of, _frame_idx_of(root, layout_of), policy)
+    for name, (count, nbytes) in dropped.items():  # a dropped copy stays in its shard, listed by no segment
+        shards[name]["frames"] -= count
+        shards[name]["bytes"] -= nbytes
+    frames_of: dict[int, int] = {}
+    for name, shard in shards.items():
+        frames_of[attempt_of[name]] = frames_of.get(attempt_of[name], 0) + shard["frames"]
     index = {
         "format": FORMAT,
         "version": INDEX_VERSION,
@@ -425,9 +438,24 @@ def _from_shards(root: Path, names: list[str], required: bool = True) -> SavedSt
     for k in sorted({*frames_of, *recorded}):
         failure = recorded.get(k, {}).get("failure") if k in recorded else _UNRECORDED
         attempts.append({"attempt": k, "frames": frames_of.get(k, 0), "failure": failure})
-    state = SavedState(runs.pop(), shards, files, plan.layouts, attempts=attempts)
-    _read_frames(root, state)
+    state = SavedState(runs.pop(), shards, files, plan.layouts, attempts=attempts, duplicates=duplicates)
+    if frames:
+        _read_frames(root, state)
     return state
+
+
+def _frame_idx_of(root: Path, layout_of: Mapping[tuple[str, str], Layout]) -> Callable[[str, str], torch.Tensor]:
+    """``frame_idx(shard, group)``: the group's frame indexes, read once."""
+    cache: dict[tuple[str, str], torch.Tensor] = {}
+
+    def frame_idx(shard: str, group: str) -> torch.Tensor:
+        if (shard, group) not in cache:
+            c = Check(root / shard)
+            with open_shard(root, shard, Check(root), "shard") as f:
+                cache[shard, group] = f.get_tensor(names_in(f, c, group, layout_of[shard, group]).frame_idx)
+        return cache[shard, group]
+
+    return frame_idx
 
 
 _UNRECORDED = {

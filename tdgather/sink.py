@@ -39,12 +39,12 @@ import torch
 
 from ._dtypes import SAFETENSORS_CODE
 from ._gc import collection_paused
+from ._index_check import SHARD_NAME
 from ._names import group_names
 from ._output import (
     FORMAT,
     INCOMPLETE_NAME,
     INDEX_NAME,
-    INDEX_VERSION,
     SHARD_VERSION,
     check_output,
     fsync_dir,
@@ -61,7 +61,8 @@ from .merge import Rows
 from .plan import Mismatches
 from .ragged import Ragged, joined, offsets_of
 from .reader import read_segment
-from .resume import SavedState, load_state, new_run
+from .resume import SavedState, _from_shards, load_state, new_run
+from .writers import index_version, next_number, shard_name
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
@@ -102,12 +103,48 @@ class DatasetWriter:
         max_shard_bytes: int = DEFAULT_SHARD_BYTES,
         duplicates: str | DuplicatePolicy = "keep",
         resume: bool = False,
+        writer: int | None = None,
+        part: tuple[str, int] | None = None,
     ) -> None:
         self.policy = DuplicatePolicy.of(duplicates)
-        self.target = check_output(path, overwrite, resume)
-        self.staging = staging_of(self.target)
         self.max_shard_bytes = max_shard_bytes
-        self._lock = lock_dir(self.staging) if self.staging.is_dir() else None  # no other job writes there now
+        self.writer, self.part = writer, part
+        if part is not None:  # one writer's part of a dataset the coordinator opened (`tdgather.writers`)
+            self.target = Path(path)
+            self.staging = staging_of(self.target)
+            self._lock = None
+            if not self.staging.is_dir():
+                raise OutputError(
+                    f"{str(self.staging)!r}, which rank dst made, is not there as this rank sees it: with "
+                    "ranks_per_writer, every writer writes into one output directory, on a filesystem all of them "
+                    "share (or use one Collector per node, each with its own path)"
+                )
+            state = SavedState(part[0])
+            existing = [n for n in os.listdir(self.staging) if SHARD_NAME.fullmatch(n)]
+        else:
+            self.target = check_output(path, overwrite, resume)
+            self.staging = staging_of(self.target)
+            state = self._open_staging(overwrite, resume)
+            existing = list(state.shards)
+        # resuming a complete dataset replaces it with one that holds all its frames
+        self.overwrite = overwrite or (resume and (self.target / INDEX_NAME).is_file())
+        self.run, self.attempts, self.attempt = state.run, state.attempts, part[1] if part else state.attempt
+        self.saved = state.saved()  # what earlier attempts saved, as every rank gets it
+        self.files: dict[str, dict] = state.files
+        self.shards: dict[str, dict] = state.shards
+        self._saved_frames = self.frames
+        self._next_shard = next_number(existing, writer)
+        self.duplicates = DuplicateCounts()  # copies dropped against frames already on disk
+        self._ranks: dict[str, set[int]] = {}  # per filename, the ranks whose frames were written
+        self._layouts: dict[str, Layout] = dict(state.layouts)
+        self._written: dict[str, torch.Tensor] = state.written  # per filename, frame_idx written, as runs
+        self._syncer: ThreadPoolExecutor | None = None  # makes shards durable while the next is written
+        self._syncing: list[tuple[str, Future]] = []
+        self._failed: list[str] = []  # shards whose last step failed: never listed
+
+    def _open_staging(self, overwrite: bool, resume: bool) -> SavedState:
+        """Lock ``<path>.partial`` (no other job writes there now); what it holds to continue from, or a fresh one."""
+        self._lock = lock_dir(self.staging) if self.staging.is_dir() else None
         try:
             state = load_state(self.target, self.staging, overwrite) if resume else None
             if state is None:
@@ -120,21 +157,7 @@ class DatasetWriter:
         except BaseException:
             self._unlock()
             raise
-        # resuming a complete dataset replaces it with one that holds all its frames
-        self.overwrite = overwrite or (resume and (self.target / INDEX_NAME).is_file())
-        self.run, self.attempts, self.attempt = state.run, state.attempts, state.attempt
-        self.saved = state.saved()  # what earlier attempts saved, as every rank gets it
-        self.files: dict[str, dict] = state.files
-        self.shards: dict[str, dict] = state.shards
-        self._saved_frames = self.frames
-        self._next_shard = state.next_shard
-        self.duplicates = DuplicateCounts()  # copies dropped against frames already on disk
-        self._ranks: dict[str, set[int]] = {}  # per filename, the ranks whose frames were written
-        self._layouts: dict[str, Layout] = dict(state.layouts)
-        self._written: dict[str, torch.Tensor] = state.written  # per filename, frame_idx written, as runs
-        self._syncer: ThreadPoolExecutor | None = None  # makes shards durable while the next is written
-        self._syncing: list[tuple[str, Future]] = []
-        self._failed: list[str] = []  # shards whose last step failed: never listed
+        return state
 
     @property
     def frames(self) -> int:
@@ -189,22 +212,22 @@ class DatasetWriter:
             size += nbytes + 8 * idx.numel()
         written = []
         for shard in (s for s in shards if s):
-            shard_name = f"shard-{self._next_shard:05d}.safetensors"
+            name_of_shard = shard_name(self.writer, self._next_shard)
             self._next_shard += 1
-            groups, entries, segments = _shard_tensors(shard, shard_name)
+            groups, entries, segments = _shard_tensors(shard, name_of_shard)
             record = [
                 [item[0], seg["group"], seg["start"], seg["frames"]] for item, seg in zip(shard, segments, strict=True)
             ]
             meta = {
                 "format": FORMAT,
                 "version": SHARD_VERSION,
-                "shard": shard_name,
+                "shard": name_of_shard,
                 "groups": json.dumps(groups),
                 "segments": json.dumps(record, ensure_ascii=False),  # what a resumed run reads back
                 "run": self.run,
                 "attempt": str(self.attempt),
             }
-            write_safetensors(self.staging / shard_name, entries, meta, then=self._in_background(shard_name))
+            write_safetensors(self.staging / name_of_shard, entries, meta, then=self._in_background(name_of_shard))
             for (name, layout, idx, _, _, runs, _), segment in zip(shard, segments, strict=True):
                 entry = self.files.setdefault(name, {"frames": 0, "segments": []})
                 entry["frames"] += segment["frames"]
@@ -213,12 +236,12 @@ class DatasetWriter:
                 old = self._written.get(name)
                 self._written[name] = runs if old is None and runs is not None else add_runs(old, idx)
                 self._ranks.setdefault(name, set()).update(ranks.get(name, ()))
-            self.shards[shard_name] = {
+            self.shards[name_of_shard] = {
                 "frames": sum(x[2].numel() for x in shard),
                 "bytes": sum(x[6] for x in shard),
                 "groups": groups,
             }
-            written.append(shard_name)
+            written.append(name_of_shard)
         return written
 
     def _written_by(self, name: str, ranks: str) -> str:
@@ -270,9 +293,52 @@ class DatasetWriter:
         kept_json = [[values[k] for k in keep.tolist()] for values in json_values]
         return idx[keep], [t.index_select(0, keep) for t in tensors], kept_json
 
-    def commit(self, metadata: Mapping[str, Any] | None = None) -> Path:
-        """Write the index (last), then move the dataset into place; return its path."""
+    def report(self) -> dict[str, dict]:
+        """A writer's part (`tdgather.writers`): once every shard is durable, each one's frames, bytes and file size."""
         self._settle()
+        return {
+            name: {**{k: v for k, v in entry.items() if k != "groups"}, "size": (self.staging / name).stat().st_size}
+            for name, entry in self.shards.items()
+        }
+
+    def combine(self, parts: Mapping[int, Mapping[str, dict]]) -> DuplicateCounts:
+        """The coordinator's step before ``commit``: take every writer's shards, as ``{writer: report}``.
+
+        Each shard reported must be in ``<path>.partial`` as this rank sees it, at the size its writer
+        wrote. Every shard's own record is read back (checked as `tdgather.open` checks a dataset),
+        copies of one frame held by several writers are resolved by the policy, and the result is what
+        ``commit`` lists. Returns the copies dropped.
+
+        Raises:
+            OutputError: a shard reported is missing or of another size (the output is not shared).
+            DuplicateFrameError, ShapeMismatchError: copies the policy refuses; two layouts for a filename.
+        """
+        self._settle()
+        for writer, shards in parts.items():
+            for name, entry in shards.items():
+                path = self.staging / name
+                size = path.stat().st_size if path.is_file() else None
+                if size != entry["size"]:
+                    seen = "is missing" if size is None else f"has {size} bytes"
+                    raise OutputError(
+                        f"writer {writer} wrote {name} ({entry['size']} bytes) into {str(self.staging)!r}, which here "
+                        f"{seen}: with ranks_per_writer, the output must be on a filesystem every writer shares"
+                    )
+        names = sorted({*self.shards, *(name for shards in parts.values() for name in shards)})
+        if not names:  # no writer had a frame: an empty dataset
+            return DuplicateCounts()
+        state = _from_shards(self.staging, names, policy=self.policy, frames=False)
+        self.shards, self.files = state.shards, state.files
+        return state.duplicates
+
+    def commit(self, metadata: Mapping[str, Any] | None = None) -> Path:
+        """Write the index (last), then move the dataset into place; return its path.
+
+        A writer's part (``part``) writes no index: it only waits until its shards are durable.
+        """
+        self._settle()
+        if self.part is not None:
+            return self.staging
         (self.staging / INCOMPLETE_NAME).unlink(missing_ok=True)  # an earlier attempt's record
         _write_atomic(self.staging / INDEX_NAME, [self._index(metadata)])
         publish(self.staging, self.target, self.overwrite)
@@ -301,7 +367,7 @@ class DatasetWriter:
                 entry["segments"] = [seg for seg in entry["segments"] if seg["shard"] != name]
                 entry["frames"] = sum(seg["frames"] for seg in entry["segments"])
         self.files = {name: entry for name, entry in self.files.items() if entry["segments"]}
-        if failure is not None:
+        if failure is not None and self.part is None:  # a writer's failure goes to the coordinator, who records it
             who = getattr(failure, "rank", None)
             if who is None and not isinstance(failure, FrameConflictError):
                 who = rank
@@ -310,11 +376,11 @@ class DatasetWriter:
         self._unlock()
         return self.staging
 
-    def _in_background(self, shard_name: str) -> Callable[[Callable[[], None]], None]:
+    def _in_background(self, shard: str) -> Callable[[Callable[[], None]], None]:
         def submit(finish: Callable[[], None]) -> None:
             if self._syncer is None:
                 self._syncer = ThreadPoolExecutor(1, thread_name_prefix="tdgather-fsync")
-            self._syncing.append((shard_name, self._syncer.submit(finish)))
+            self._syncing.append((shard, self._syncer.submit(finish)))
 
         return submit
 
@@ -342,7 +408,7 @@ class DatasetWriter:
         this = {"attempt": self.attempt, "frames": self.frames - self._saved_frames, "failure": failure}
         index = {
             "format": FORMAT,
-            "version": INDEX_VERSION,
+            "version": index_version(self.shards),
             "metadata": {
                 **(metadata or {}),
                 "run": self.run,
@@ -430,7 +496,7 @@ def _runs_per_file(g: Any) -> list[torch.Tensor]:
     return list(torch.split(runs, torch.bincount(file_of[heads], minlength=len(g.files)).tolist()))
 
 
-def _shard_tensors(shard: list, shard_name: str) -> tuple[dict, list, list]:
+def _shard_tensors(shard: list, shard_file: str) -> tuple[dict, list, list]:
     """Group a shard's filenames by layout; return group descriptions, tensor entries and segments."""
     by_layout: dict[Layout, list] = {}
     for item in shard:
@@ -442,7 +508,7 @@ def _shard_tensors(shard: list, shard_name: str) -> tuple[dict, list, list]:
         groups[key] = layout.to_json()
         row = 0
         for name, _, idx, *_ in items:
-            segment_of[name] = {"shard": shard_name, "group": key, "start": row, "frames": idx.numel()}
+            segment_of[name] = {"shard": shard_file, "group": key, "start": row, "frames": idx.numel()}
             row += idx.numel()
         entries.append((names.frame_idx, torch.int64, (row,), [x[2] for x in items]))
         for j, (name, leaf) in enumerate(zip(names.leaves, layout.leaves, strict=True)):

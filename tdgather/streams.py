@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from ._output import remove_ours
 from .duplicates import DuplicateCounts, DuplicatePolicy
-from .errors import DuplicateFrameError, PeerError, PeerLostError
+from .errors import DuplicateFrameError, PeerError, PeerLostError, ProtocolError
 from .merge import merge
 from .pack import pack
 from .plan import Mismatches
@@ -38,6 +38,7 @@ from .sink import DatasetWriter
 from .store import FrameStore
 from .transport import Answers, Call, heartbeat_interval, peer_error
 from .wire import HEARTBEAT, Kind, error_header
+from .writers import check_part, check_run, counts_of
 
 __all__ = ["CollectorSummary", "Destination", "Sender", "Settings"]
 
@@ -98,6 +99,7 @@ class CollectorSummary:
     seconds: float = 0.0
     close_seconds: float = 0.0
     duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
+    combine_seconds: float = 0.0  # with several writers: reading their shards' records, copies across them
 
     @property
     def throughput_mb_s(self) -> float:
@@ -202,21 +204,30 @@ class _Side:
 
 
 class Sender(_Side):
-    """A rank other than dst: 1. wait for dst's ready, 2. send chunks behind the loop, 3. done or error."""
+    """A rank other than dst: 1. wait for dst's ready, 2. send chunks behind the loop, 3. done or error.
 
-    def __init__(self, settings: Settings, call: Call) -> None:
+    With ``relay``, a writer's stream to the coordinator (`tdgather.writers`): no frames, only
+    heartbeats while its block runs, then ``done`` with its part; it ends with ``error`` as soon as
+    the writer fails.
+    """
+
+    def __init__(self, settings: Settings, call: Call, relay: bool = False) -> None:
         super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy)
         self.timeout, self.dst = settings.timeout, settings.dst
         self.ch = call.channel(settings.dst)  # its send and receive sequences are independent
         self.heartbeat = heartbeat_interval(self.timeout)
         self.frames = 0
         self.pending_peak = 0
+        self.relay = relay
+        self.on_fail: Any = None  # a writer's: its own Destination fails with it
+        self.done: dict = {}  # what ``done`` carries besides the frames: a writer's part
         ready = self.ch.recv_answer()  # 1. rank dst says whether the output can be written
         if ready.kind == Kind.ERROR:
             raise peer_error(settings.dst, ready.header)
         if "saved" in ready.header:
             self.saved = Saved.from_wire(ready.header["saved"], settings.dst)
             self.store = self._new_store()
+        self.run = check_run(ready.header["run"], settings.dst) if "run" in ready.header else None
         self.answer = None
         self.joiner = Joiner(reuse=True)
         self.thread = threading.Thread(target=self._send_loop, name="tdgather-send", daemon=True)
@@ -229,12 +240,19 @@ class Sender(_Side):
         super().put(item)
         self.pending_peak = max(self.pending_peak, self.queue.qsize())
 
+    def fail(self, e: BaseException) -> bool:
+        """Record the first failure (True when this one is it); a writer's Destination fails with it."""
+        first = super().fail(e)
+        if first and self.on_fail is not None:
+            self.on_fail(e)
+        return first
+
     def _send_loop(self) -> None:
         last = time.monotonic()
         try:
             while True:
-                if self.answer is not None and self.failure is not None:  # dst failed: end the stream
-                    raise self.failure  # now, not at the loop's next add(), which may be far off
+                if self.failure is not None and (self.answer is not None or self.relay):  # end the stream now,
+                    raise self.failure  # not at the loop's next add(), which may be far off
                 try:
                     item = self.queue.get(timeout=_POLL)
                 except queue.Empty:
@@ -244,7 +262,7 @@ class Sender(_Side):
                     continue
                 last = time.monotonic()
                 if item is _CLOSE:
-                    self.ch.wait(end_stream(self.ch, self.frames), "the done message")
+                    self.ch.wait(end_stream(self.ch, self.frames, **self.done), "the done message")
                     return
                 if isinstance(item, BaseException):
                     self.ch.wait(end_stream(self.ch, error=item), "the error message")
@@ -270,9 +288,10 @@ class Sender(_Side):
             self.fail(peer_error(self.dst, answer.header))
         self.answer = answer  # after the failure is recorded: the send loop reads both
 
-    def close(self) -> None:
-        """Flush, send ``done``, and wait for dst's answer (raises if it is ``error``)."""
+    def close(self, **done: Any) -> None:
+        """Flush, send ``done`` (with ``done``'s items), and wait for dst's answer (raises if it is ``error``)."""
         self.check()
+        self.done = done
         if len(self.store):
             self.put(self.store)
         self.put(_CLOSE)
@@ -324,9 +343,25 @@ class Sender(_Side):
 
 
 class Destination(_Side):
-    """Rank dst: 1. check the output and answer ready, 2. receive and write within the budget, 3. index."""
+    """Rank dst: 1. check the output and answer ready, 2. receive and write within the budget, 3. index.
 
-    def __init__(self, settings: Settings, call: Call | None, rank: int, peers: list[int]) -> None:
+    With several writers (`tdgather.writers`), rank dst is the coordinator: ``writers`` maps the
+    peers that are writers to their numbers; they send no frames, only their part at the end, and
+    the index covers every writer's shards. Another writer is a Destination for its own block,
+    with ``up``, its relay `Sender` to the coordinator: it writes its part and answers its peers
+    only once the coordinator has answered it.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        call: Call | None,
+        rank: int,
+        peers: list[int],
+        writer: int | None = None,
+        writers: Mapping[int, int] | None = None,
+        up: Sender | None = None,
+    ) -> None:
         super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy)
         _return_freed_memory()
         col = self.settings = settings
@@ -343,20 +378,25 @@ class Destination(_Side):
         self.held: set[int] = set()
         self.duplicates = DuplicateCounts()  # dropped within spills; the writer counts those against the disk
         self.pool = BufferPool(col.pool_bytes)  # received buffers, reused within the budget
+        self.writers, self.up, self.parts = dict(writers or {}), up, {}
         try:
             self.writer = DatasetWriter(
                 col.path,
                 overwrite=col.overwrite,
                 max_shard_bytes=col.max_shard_bytes,
                 duplicates=self.policy,
-                resume=col.resume,
+                resume=col.resume and up is None,
+                writer=writer,
+                part=up.run if up is not None else None,
             )
         except BaseException as e:
             self.answers.answer_all(Kind.ERROR, error_header(e))
             raise
-        self.saved = self.writer.saved
+        self.saved = self.writer.saved if up is None else up.saved
         self.store = self._new_store()
-        ready = {"frames": 0, "saved": self.saved.to_wire()} if self.saved else {"frames": 0}
+        ready: dict[str, Any] = {"frames": 0, "saved": self.saved.to_wire()} if self.saved else {"frames": 0}
+        if self.writers:  # the writers write shards of this run and attempt
+            ready["run"] = {"id": self.writer.run, "attempt": self.writer.attempt}
         late = self.answers.send_all(Kind.DONE, ready)  # 1. ready, with what a resumed run saved
         if late:  # its pair timed out, and gloo closes them all: name it, rather than let the others blame us
             waited, limit = time.perf_counter() - self.start, col.timeout.total_seconds()
@@ -398,7 +438,11 @@ class Destination(_Side):
                 msg = ch.recv()
                 if msg.kind != Kind.DATA:
                     expect_done(ch, msg, frames)
+                    if peer in self.writers:
+                        self.parts[peer] = check_part(msg.header.get("part"), peer, self.writers[peer])
                     break
+                if msg.header.groups and peer in self.writers:
+                    raise ProtocolError(peer, "header.groups", "none: a writer sends its part, not frames")
                 if msg.header.groups:  # after a failure too: what arrives is still written
                     taken: list = []
                     parts = read_frames(ch, msg, functools.partial(self.pool.take, into=taken))
@@ -487,9 +531,14 @@ class Destination(_Side):
     def _fail(self, e: BaseException) -> None:
         if self.fail(e):  # every sender learns at once; one that failed itself, after its frames are saved
             self.answers.answer_all(Kind.ERROR, error_header(e), skip=self.held)
+            if self.up is not None:  # and the coordinator, from a writer
+                self.up.fail(e)
 
-    def close(self) -> CollectorSummary:
-        """Flush its own frames, wait for every peer, commit the index, answer ``done``; return the summary."""
+    def close(self) -> CollectorSummary | None:
+        """Flush its own frames, wait for every peer, commit the index, answer ``done``; return the summary.
+
+        A writer other than the coordinator returns None, once the coordinator has answered.
+        """
         self.check()
         closing = time.perf_counter()
         if len(self.store):
@@ -500,9 +549,21 @@ class Destination(_Side):
             t.join()
         self.bar.close()
         self.check()
+        combining = time.perf_counter()
+        if self.writers:
+            self._combine()
+        combined = time.perf_counter() - combining
         dups = self.all_duplicates
         meta = {**self.settings.metadata, "duplicates_dropped": dups.dropped, "duplicates": dups.to_json()}
         self.writer.commit(meta)
+        if self.up is not None:  # a writer: its part to the coordinator, and the answer back to its peers
+            frames_per_rank = [[r, n] for r, n in self.received.items()]
+            self.up.close(
+                part={"shards": self.writer.report(), "frames_per_rank": frames_per_rank, "duplicates": dups.to_json()}
+            )
+            self.answers.answer_all(Kind.DONE, {"frames": self.up.answer.header["frames"]})
+            self.answers.stop()
+            return None
         self.answers.answer_all(Kind.DONE, {"frames": self.writer.frames})
         self.answers.stop()
         end = time.perf_counter()
@@ -516,7 +577,16 @@ class Destination(_Side):
             seconds=end - self.start,
             close_seconds=end - closing,
             duplicates=dups,
+            combine_seconds=combined,
         )
+
+    def _combine(self) -> None:
+        """The coordinator: every writer's shards into the index, copies across writers resolved."""
+        self.duplicates += self.writer.combine({self.writers[p]: part["shards"] for p, part in self.parts.items()})
+        for part in self.parts.values():
+            self.duplicates += counts_of(part["duplicates"])
+            self.received.update((r, n) for r, n in part["frames_per_rank"])
+        self.received = dict(sorted(self.received.items()))
 
     def _end_local(self) -> None:
         if not self.local_ended:
@@ -548,3 +618,5 @@ class Destination(_Side):
         finally:
             self.answers.answer_all(Kind.ERROR, error_header(self.failure))  # the held peers: saved now
             self.answers.stop()
+            if self.up is not None:
+                self.up.abort(self.failure)

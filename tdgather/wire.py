@@ -323,8 +323,8 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
     """
     limits = limits or Limits()
     c = _Check(src)
-    if kind == Kind.DONE:  # a ready answer may add "saved" (`tdgather.resume.Saved.from_wire` checks it)
-        keys = {"frames", "saved"} if isinstance(obj, dict) and "saved" in obj else {"frames"}
+    if kind == Kind.DONE:  # a ready answer may add "saved" and "run", a writer's done "part": their readers check them
+        keys = {"frames"} | ({"saved", "run", "part"} & set(obj) if isinstance(obj, dict) else set())
         c.int(c.obj(obj, "header", keys)["frames"], "header.frames")
         return obj
     if kind == Kind.ERROR:

@@ -52,8 +52,15 @@ def _die_at_write(count: int) -> None:
     sink._write_all = write_all
 
 
-def case_run(out: str, resume: bool, kill: dict | None = None, batch: int = 4, layout: str = "same") -> dict:
-    """One attempt: ``kill`` = {"rank": r, "batch": b} (a rank) or {"rank": 0, "write": n} (rank dst)."""
+def case_run(
+    out: str,
+    resume: bool,
+    kill: dict | None = None,
+    batch: int = 4,
+    layout: str = "same",
+    ranks_per_writer: int | None = None,
+) -> dict:
+    """One attempt: ``kill`` = {"rank": r, "batch": b} (a rank) or {"rank": r, "write": n} (a writer)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if kill and kill["rank"] == rank and "write" in kill:
         _die_at_write(kill["write"])
@@ -65,6 +72,7 @@ def case_run(out: str, resume: bool, kill: dict | None = None, batch: int = 4, l
         memory_budget=96 << 10,
         chunk_bytes=16 << 10,
         timeout=60,
+        ranks_per_writer=ranks_per_writer,
     )
     with col:
         todo = col.saved.todo(samples())

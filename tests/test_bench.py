@@ -44,6 +44,26 @@ def test_scaling_smoke(tmp_path):
     assert text.count("\n| ") == 1 + 2 * 3  # the header row, then one row per (world, method)
 
 
+def test_scaling_writers_smoke(tmp_path):
+    from benchmarks.scaling import main as scaling
+
+    args = ["--writers", "1", "2", "--worlds", "4", "--mb", "0.2", "--repeats", "1", "--out", str(tmp_path)]
+    assert scaling(args) == 0
+    [report] = tmp_path.glob("*-writers.md")
+    rows = [line.split(" | ") for line in report.read_text().splitlines() if line[:3] in ("| 1", "| 2")]
+    assert [r[0] for r in rows] == ["| 1", "| 2"]
+    one, two = (float(r[2]) for r in rows)  # rank 0's MB received: from 3 ranks, then from its 1 block peer
+    assert two == pytest.approx(one / 3, rel=0.05)
+
+
+def test_combine_smoke(tmp_path):
+    from benchmarks.combine import main as combine
+
+    assert combine(["--writers", "2", "--videos", "20", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    [report] = tmp_path.glob("*-combine.md")
+    assert "| 2 | 40 | " in report.read_text()
+
+
 def test_detection_smoke(tmp_path):
     from benchmarks.detection import METHODS, _rank
     from tdgather.launch import run_local_world

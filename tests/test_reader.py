@@ -296,11 +296,11 @@ def test_nan_in_the_index_is_refused(tmp_path, constant):
         tdgather.open(out)
 
 
-@pytest.mark.parametrize("version, got", [(4, "4"), (0, "0"), ("2", "'2'"), (True, "True"), (None, "None")])
+@pytest.mark.parametrize("version, got", [(5, "5"), (0, "0"), ("2", "'2'"), (True, "True"), (None, "None")])
 def test_an_unknown_version_is_refused_saying_which_this_tdgather_reads(tmp_path, version, got):
     out = save(tmp_path)
     edit(out, lambda index: index.update(version=version))
-    wanted = r"1, 2 or 3 \(this tdgather reads index version 1, 2 or 3 only\)"
+    wanted = r"1, 2, 3 or 4 \(this tdgather reads index version 1, 2, 3 or 4 only\)"
     with pytest.raises(DatasetError, match=rf"version: expected {wanted}, got {got}"):
         tdgather.open(out)
 

@@ -9,16 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 
 import tdgather
 from tdgather.errors import DatasetError, OutputError, ProtocolError
 from tdgather.launch import WorldError, run_local_world
 from tdgather.resume import Saved, saved
-from tdgather.sink import INCOMPLETE_NAME, INDEX_NAME
+from tdgather.sink import INCOMPLETE_NAME
 
 from . import resume_cases as rc
-from .cases import bits
+from .cases import bits, plain_read
 
 WORLD = 3
 
@@ -55,26 +54,12 @@ def assert_same_dataset(got: Path, want: Path) -> None:
 
 def assert_plain_safetensors_read(got: Path, want: Path) -> None:
     """Read with safetensors and the index alone, as the README shows: the same frames."""
-
-    def frames(out: Path) -> dict:
-        index = json.loads((out / INDEX_NAME).read_text())
-        result = {}
-        for name, entry in index["files"].items():
-            rows = []
-            for seg in entry["segments"]:
-                lo, hi = seg["start"], seg["start"] + seg["frames"]
-                with safe_open(out / seg["shard"], framework="pt") as f:
-                    idx = f.get_slice(f"{seg['group']}:frame_idx")[lo:hi]
-                    depth = f.get_slice(f"{seg['group']}.depth")[lo:hi]
-                rows += [(int(i), d) for i, d in zip(idx, depth, strict=True)]
-            result[name] = sorted(rows, key=lambda r: r[0])
-        return result
-
-    a, b = frames(got), frames(want)
+    a, b = plain_read(got), plain_read(want)
     assert a.keys() == b.keys()
     for name in a:
         assert [i for i, _ in a[name]] == [i for i, _ in b[name]]
-        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a[name], b[name], strict=True))
+        for (_, x), (_, y) in zip(a[name], b[name], strict=True):
+            assert len(x) == 2 and all(torch.equal(u, v) for u, v in zip(x, y, strict=True))  # depth, feat
 
 
 def attempts_of(out: Path) -> list[dict]:

@@ -31,7 +31,8 @@ def torchrun(*args: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_two_nodes_give_the_single_node_result(tmp_path):
+def two_nodes(out: Path, *more: str) -> list[str]:
+    """examples/predict.py on two "nodes" of 2 processes: two torchrun invocations that meet on loopback."""
     port = free_port()
     nodes = [
         torchrun(
@@ -44,18 +45,46 @@ def test_two_nodes_give_the_single_node_result(tmp_path):
             "--max-restarts=0",
             EXAMPLE,
             "--out",
-            str(tmp_path / "two_nodes"),
+            str(out),
+            *more,
         )
         for n in range(2)
     ]
-    outs = finish(nodes)
-    single = finish([torchrun("--standalone", "--nproc-per-node=4", EXAMPLE, "--out", str(tmp_path / "one_node"))])
-    assert sum("tdgather: 324 frames" in out for out in outs) == 1  # rank 0's summary, on one of the nodes
+    return finish(nodes)
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory) -> Path:
+    """examples/predict.py on one node of 4 processes, rank 0 the one writer."""
+    out = tmp_path_factory.mktemp("single") / "one_node"
+    single = finish([torchrun("--standalone", "--nproc-per-node=4", EXAMPLE, "--out", str(out))])
     assert "per rank {0: 54, 1: 108, 2: 162, 3: 0}" in single[0]
-    one, two = tdgather.open(tmp_path / "one_node"), tdgather.open(tmp_path / "two_nodes")
+    return out
+
+
+def assert_same_frames(got: Path, want: Path) -> None:
+    one, two = tdgather.open(want), tdgather.open(got)
     assert sorted(one) == sorted(two) and len(one) == 12
     for name in one:
         a, b = one[name], two[name]
         assert torch.equal(a.frame_idx, b.frame_idx), name
         assert torch.equal(a.frames["depth"], b.frames["depth"]), name
         assert torch.equal(a.frames["seg"], b.frames["seg"]), name
+
+
+def test_two_nodes_give_the_single_node_result(tmp_path, one_node):
+    outs = two_nodes(tmp_path / "two_nodes")
+    assert sum("tdgather: 324 frames" in out for out in outs) == 1  # rank 0's summary, on one of the nodes
+    assert_same_frames(tmp_path / "two_nodes", one_node)
+
+
+def test_a_writer_per_node_gives_the_single_writer_dataset(tmp_path, one_node):
+    outs = two_nodes(tmp_path / "per_node", "--writer-per-node")
+    assert sum("tdgather: 324 frames" in out for out in outs) == 1
+    assert_same_frames(tmp_path / "per_node", one_node)
+    ds = tdgather.open(tmp_path / "per_node")
+    assert {name.split("-")[1] for name in ds.index["shards"]} == {"00000", "00001"}  # both nodes wrote
+    spanning = [n for n in ds if len({s["shard"].split("-")[1] for s in ds.index["files"][n]["segments"]}) > 1]
+    assert spanning  # filenames whose frames two nodes wrote read as one sorted Frames
+    for key in ("total_frames", "total_bytes", "num_filenames"):
+        assert ds.metadata[key] == tdgather.open(one_node).metadata[key]
