@@ -64,7 +64,7 @@ def spawn_keys(batch, batch_indices, dataloader_idx):
 
 
 def loaders(case: str) -> list[DataLoader]:
-    if case == "many":
+    if case in ("many", "writers"):
         sets = [samples(9, fields=True, seed=1), samples(3, fields=True, seed=2), samples(7, fields=False, seed=3)]
     elif case == "spawn":
         sets = [samples(7, fields=False, seed=3)]
@@ -76,6 +76,8 @@ def loaders(case: str) -> list[DataLoader]:
 def run(case: str, out: Path, devices: int) -> None:
     if case == "many":
         writer = PredictionWriter(out / "preds_{dataloader_idx}", timeout=60)
+    elif case == "writers":  # each of the 2 ranks its own writer: one dataset per dataloader all the same
+        writer = PredictionWriter(out / "preds_{dataloader_idx}", timeout=60, ranks_per_writer=1)
     elif case == "spawn":
         writer = PredictionWriter(out / "preds", keys=spawn_keys, timeout=60)
     else:

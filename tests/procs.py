@@ -1,6 +1,11 @@
 """Launcher subprocesses for tests (torchrun, accelerate launch): wait for all, fail clearly."""
 
+import contextlib
+import os
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -18,3 +23,10 @@ def finish(procs: list[subprocess.Popen], timeout: float = 240) -> list[str]:
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, f"{p.args} failed:\n{out[-6000:]}"
     return outs
+
+
+def kill_later(pid_file: str, after: float) -> None:
+    """SIGKILL the rank that stopped itself, once the others had time to notice (what torchrun would do)."""
+    time.sleep(after)
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int(Path(pid_file).read_text()), signal.SIGKILL)

@@ -14,7 +14,8 @@ they test:
 - row 16 (empty ranks): test_world ``test_gather_matches_gather_object[zero_rank/all_empty]``,
   test_sink ``test_empty_dataset``;
 - row 18 (no distributed): test_local;
-- rows 22 and 23 (resume after a kill; a resume that does not fit): test_resume.
+- rows 22 and 23 (resume after a kill; a resume that does not fit): test_resume;
+- row 24 (one writer per block of ranks): test_writers, test_torchrun, test_lightning.
 
 Rows 5-7 are also fuzzed without processes in test_codec (hypothesis). The time to error of the
 kill and stop rows is printed (``pytest -s``) for the release note.

@@ -1,6 +1,6 @@
 """`tdgather.lightning.PredictionWriter` under real Lightning Trainers: ``ddp`` and ``ddp_spawn`` on 2 gloo ranks.
 
-The three 2-process runs (tests/lightning_cases.py: ``many``, ``spawn``, ``fail``) start at once, in their
+The four 2-process runs (tests/lightning_cases.py: ``many``, ``spawn``, ``fail``, ``writers``) start at once, in their
 own interpreters (Lightning's ddp launcher re-executes ``sys.argv``); the 1-process reference runs in this
 process meanwhile. Datasets of 9, 3, 7 and 12 samples do not split evenly over 2 ranks.
 """
@@ -38,7 +38,7 @@ def _env() -> dict[str, str]:
 def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.Popen]]:
     """The 2-process runs, started together; each test waits for its own."""
     procs = {}
-    for case in ("many", "spawn", "fail"):
+    for case in ("many", "spawn", "fail", "writers"):
         out = tmp_path_factory.mktemp(case)
         args = [sys.executable, CASES, case, str(out), "2"]
         procs[case] = (
@@ -98,6 +98,16 @@ def test_ddp_three_dataloaders_equal_one_process(runs, single):
         assert torch.equal(fallback["dataloader_2"].frames, model.predict_step(x, 0))
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["error"] for r in records] == [None, None]
+
+
+@pytest.mark.world
+@pytest.mark.timeout(300)
+def test_ddp_with_a_writer_per_rank_equals_one_process(runs, single):
+    out, _ = _finish(runs["writers"])
+    for k in range(3):
+        ds = tdgather.open(out / f"preds_{k}")
+        _assert_same(ds, tdgather.open(single / f"preds_{k}"))
+        assert {name.split("-")[1] for name in ds.index["shards"]} == {"00000", "00001"}  # both ranks wrote
 
 
 @pytest.mark.world

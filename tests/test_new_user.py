@@ -1,12 +1,9 @@
 """What a new user does on day one, in real gloo worlds: the seed scenario, uneven ranks, conflicts after
 shards were written, a filename UTF-8 cannot encode, and collective misuse. Each test is bounded in time."""
 
-import contextlib
 import os
-import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +12,7 @@ import tdgather
 from tdgather.launch import WorldError, run_local_world
 
 from . import newuser
+from .procs import kill_later
 
 pytestmark = pytest.mark.world
 
@@ -57,7 +55,7 @@ def test_ranks_that_finish_many_timeouts_apart_complete(tmp_path, how, busy):
 
 def test_a_stopped_dst_is_detected_by_finished_senders_within_the_timeout(tmp_path):
     out = str(tmp_path / "ds")
-    killer = threading.Thread(target=_kill_later, args=(out + ".pid", 8.0), daemon=True)
+    killer = threading.Thread(target=kill_later, args=(out + ".pid", 8.0), daemon=True)
     killer.start()
     start = time.time()
     with pytest.raises(WorldError) as info:  # rank 0 stopped, then killed: it leaves no result
@@ -67,13 +65,6 @@ def test_a_stopped_dst_is_detected_by_finished_senders_within_the_timeout(tmp_pa
         assert r["type"] == "PeerLostError" and r["rank"] == 0, r
         assert "no progress for 2 s" in r["message"]
         assert r["at"] - start < 2.0 + 10.0  # the timeout, plus process start and slack on 2 cores
-
-
-def _kill_later(pid_file: str, after: float) -> None:
-    """SIGKILL the rank that stopped itself, once the others had time to notice (what torchrun would do)."""
-    time.sleep(after)
-    with contextlib.suppress(OSError, ValueError):
-        os.kill(int(Path(pid_file).read_text()), signal.SIGKILL)
 
 
 def test_a_conflict_after_shards_were_written_keeps_what_was_saved(tmp_path):

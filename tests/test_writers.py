@@ -7,6 +7,8 @@ index's totals and duplicate counts.
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from tdgather.writers import check_part, check_run
 from . import cases
 from . import resume_cases as rc
 from . import writers_cases as wc
+from .procs import kill_later
 from .test_resume import assert_same_dataset, attempt
 
 pytestmark = pytest.mark.world
@@ -286,3 +289,19 @@ def test_writers_with_nothing_to_write(tmp_path):
     run(tmp_path / "many", 2, "zero_rank")  # rank 1, in the first block, has no frames
     run(tmp_path / "one", None, "zero_rank")
     assert_same_as_one_writer(tmp_path / "many", tmp_path / "one")
+
+
+def test_a_stopped_writer_fails_every_other_rank_within_the_timeout(tmp_path):
+    out = str(tmp_path / "ds")
+    killer = threading.Thread(target=kill_later, args=(out + ".pid", 10.0), daemon=True)
+    killer.start()
+    start = time.time()
+    with pytest.raises(WorldError) as info:  # rank 2 stopped, then killed: it leaves no result
+        run_local_world(wc.case_writer_stops, WORLD, out, 2.0, timeout=60)
+    assert set(info.value.failures) == {2}
+    r = info.value.results
+    assert r[0]["type"] == "PeerLostError" and r[0]["rank"] == 2, r[0]  # the coordinator names the writer
+    assert r[3]["type"] == "PeerLostError" and r[3]["rank"] == 2, r[3]  # and so does the writer's peer
+    assert r[1]["type"] in ("PeerError", "PeerLostError") and r[1]["rank"] == 0, r[1]
+    assert max(x["at"] for x in (r[0], r[1], r[3])) - start < 2.0 + 12.0  # the timeout, start-up and slack
+    assert tdgather.open(out, incomplete=True).metadata["total_frames"] >= 2  # rank 0's and 1's frames kept

@@ -99,3 +99,20 @@ def case_writer_without_the_output(out: str) -> dict:
     except tdgather.TdgatherError as e:
         return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
     return {"type": None}
+
+
+def case_writer_stops(out: str, timeout: float) -> dict:
+    """Rank 2, the second writer, stops (SIGSTOP) in its loop; the others must fail within the timeout."""
+    import os
+    import signal
+
+    rank = dist.get_rank()
+    try:
+        with tdgather.Collector(out, ranks_per_writer=2, timeout=timeout, progress=False) as col:
+            col.update({f"r{rank}": (0, torch.ones(2))})
+            if rank == 2:
+                Path(out + ".pid").write_text(str(os.getpid()))  # the test SIGKILLs it later, as torchrun would
+                os.kill(os.getpid(), signal.SIGSTOP)
+    except tdgather.TdgatherError as e:
+        return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None), "at": time.time()}
+    return {"type": None}
