@@ -31,7 +31,7 @@ from tdgather.sink import DatasetWriter
 
 from .report import machine
 
-STAGES = {"records": (sink, "_from_shards"), "copies": (resume, "resolve"), "index check": (resume, "check_index")}
+STAGES = {"records": (sink, "from_shards"), "copies": (resume, "resolve"), "index check": (resume, "check_index")}
 
 
 def _timed(seconds: dict[str, float]) -> None:

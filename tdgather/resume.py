@@ -48,7 +48,7 @@ from .store import _as_index, _index_value
 from .wire import _Check, _decode_layout
 from .writers import index_version, resolve, shard_order
 
-__all__ = ["Saved", "SavedState", "load_state", "new_run", "partial_index", "saved"]
+__all__ = ["Saved", "SavedState", "from_shards", "load_state", "new_run", "partial_index", "saved"]
 
 _TMP = re.compile(r"\..+\.tmp-\d+")  # a file a killed writer left half-written: never listed anywhere
 
@@ -258,7 +258,7 @@ def partial_index(staging: Path) -> dict | None:
     attempt failed. None when there are no shards, or shards of a tdgather that kept no record.
     """
     names = _shard_files(staging)
-    state = _from_shards(staging, names, required=False) if names else None
+    state = from_shards(staging, names, required=False) if names else None
     if state is None:
         return None
     last = state.attempts[-1]
@@ -326,7 +326,7 @@ def _read(target: Path, staging: Path, overwrite: bool) -> SavedState | None:
                 "finishing that run would replace: pass overwrite=True as well as resume=True to do so, or move "
                 "one of them away"
             )
-        return _from_shards(staging, shards)
+        return from_shards(staging, shards)
     if complete_target:
         return _from_index(target)
     return None
@@ -346,7 +346,7 @@ def _from_index(root: Path) -> SavedState:
     return state
 
 
-def _from_shards(
+def from_shards(
     root: Path, names: list[str], required: bool = True, policy: Any = "keep", frames: bool = True
 ) -> SavedState | None:
     """A failed attempt's state, from its shards' own records (the incomplete record adds failures).

@@ -61,7 +61,7 @@ from .merge import Rows
 from .plan import Mismatches
 from .ragged import Ragged, joined, offsets_of
 from .reader import read_segment
-from .resume import SavedState, _from_shards, load_state, new_run
+from .resume import SavedState, from_shards, load_state, new_run
 from .writers import index_version, next_number, shard_name
 
 __all__ = [
@@ -93,6 +93,12 @@ class DatasetWriter:
        into place; or ``abort()``, which
        keeps the committed shards in ``<path>.partial`` and writes no index there, only (given
        the failure) ``tdgather.incomplete.json``, which lists them.
+
+    With several writers (`tdgather.writers`), ``writer`` numbers this writer's shards; the
+    coordinator's writer calls ``combine`` with the others' reports before ``commit``. Another
+    writer is a ``part`` (the run id and attempt the coordinator gave): it writes into the
+    coordinator's ``<path>.partial`` without checking or locking it, its ``commit`` writes no index
+    (``report`` lists its shards), and its ``abort`` writes no record (the coordinator does).
     """
 
     def __init__(
@@ -327,7 +333,7 @@ class DatasetWriter:
         names = sorted({*self.shards, *(name for shards in parts.values() for name in shards)})
         if not names:  # no writer had a frame: an empty dataset
             return DuplicateCounts()
-        state = _from_shards(self.staging, names, policy=self.policy, frames=False)
+        state = from_shards(self.staging, names, policy=self.policy, frames=False)
         self.shards, self.files = state.shards, state.files
         return state.duplicates
 
