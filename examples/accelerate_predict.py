@@ -28,6 +28,11 @@ One GPU node (8 processes; NCCL for accelerate, tdgather makes its own gloo grou
 
     accelerate launch --num_processes 8 examples/accelerate_predict.py --out out/accelerate
 
+More processes than GPUs (4 on a 1-GPU machine, to try a job out): accelerate itself puts local
+process ``i`` on GPU ``i % torch.cuda.device_count()`` (it never asks for a GPU that is not there),
+so the processes share the GPUs; the script says so. This loop runs no collective on the GPU (NCCL
+takes one process per GPU: code added to the loop that does needs one GPU per process).
+
 torchrun works too (``torchrun --standalone --nproc-per-node 2 examples/accelerate_predict.py
 --out out/accelerate --cpu``), and so does plain ``python examples/accelerate_predict.py --out ...``
 (one process: the same frames, bit for bit where a sample ran in the same batch).
@@ -101,6 +106,12 @@ def main() -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if accelerator.num_processes != world:
         raise RuntimeError(f"accelerate sees {accelerator.num_processes} process(es) in a world of {world}: pass --cpu")
+    if accelerator.device.type == "cuda" and accelerator.local_process_index >= torch.cuda.device_count():
+        # accelerate placed local process i on GPU i % device_count: this one shares its GPU
+        gpus = torch.cuda.device_count()
+        print(
+            f"local process {accelerator.local_process_index} shares {accelerator.device} ({gpus} GPU(s))", flush=True
+        )
     data = VideoFrames([args.frames] * args.videos, args.size, args.seed)
     torch.manual_seed(args.seed)  # the same weights on every process
     model = accelerator.prepare_model(TinyNet(), evaluation_mode=True)  # on its device, no DDP wrapper

@@ -16,6 +16,10 @@ node sees (a shared filesystem).
 
 On GPUs the default group is ``cpu:gloo,cuda:nccl`` and the model runs on the GPU; tdgather sends
 on its own gloo group and nothing comes back to a GPU. Without GPUs it is plain gloo.
+
+More ranks than GPUs on a node (4 ranks on a 1-GPU machine, to try a job out) is fine: the ranks
+share the GPUs, local rank ``r`` on GPU ``r % torch.cuda.device_count()``, and the default group is
+then plain gloo (NCCL takes one rank per GPU; this job needs no collective of its own).
 """
 
 from __future__ import annotations
@@ -45,11 +49,25 @@ def main() -> None:
     args = p.parse_args()
 
     cuda = torch.cuda.is_available() and not args.cpu
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun: the ranks on this node
+    gpus = torch.cuda.device_count() if cuda else 0
+    shared = cuda and local_world > gpus
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
-    device = torch.device("cuda") if cuda else torch.device("cpu")
+        # Ranks share the GPUs when there are more of them than GPUs (local rank r on GPU r % gpus):
+        # torch.cuda.set_device(local_rank) alone fails with "invalid device ordinal" there.
+        torch.cuda.set_device(local_rank % gpus)
+    # NCCL takes one rank per GPU: with shared GPUs the default group is plain gloo (tdgather sends on
+    # gloo either way, and nothing here needs a collective on the GPU)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda and not shared else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if shared and local_rank == 0:
+        print(
+            f"{local_world} ranks share {gpus} GPU(s) on this node: local rank r runs on cuda:(r % {gpus}); "
+            "default group gloo (NCCL takes one rank per GPU)",
+            flush=True,
+        )
 
     g = torch.Generator().manual_seed(args.seed)
     lengths = torch.randint(max(1, args.max_frames // 5), args.max_frames + 1, (args.videos,), generator=g).tolist()

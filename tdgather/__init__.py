@@ -13,6 +13,7 @@ from .errors import (
     ProtocolError,
     ShapeMismatchError,
     TdgatherError,
+    Terminated,
     UnsupportedValueError,
 )
 from .frames import Frames
@@ -43,6 +44,7 @@ __all__ = [
     "ProtocolError",
     "ShapeMismatchError",
     "TdgatherError",
+    "Terminated",
     "UnsupportedValueError",
     "gather",
     "open",

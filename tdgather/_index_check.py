@@ -36,13 +36,16 @@ __all__ = [
     "names_in",
     "check_index",
     "check_layout",
+    "check_run",
     "check_segment",
     "check_shard",
+    "index_run",
     "json_scalar",
     "key",
     "load_json",
     "open_shard",
     "shard_groups",
+    "shard_version",
 ]
 
 VERSIONS = (1, 2, INDEX_VERSION, WRITERS_VERSION)  # the index versions this tdgather reads
@@ -171,6 +174,7 @@ def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
             groups[name, g] = check_layout(desc, c, f"{f}.groups[{g!r}]")
     layouts: dict[str, Layout] = {}
     ranges: dict[tuple[str, str], list[tuple[int, int, str]]] = {}
+    sizes = {where: (layout.frame_nbytes, layout.ragged) for where, layout in groups.items()}  # once a group
     frames_in = dict.fromkeys(shards, 0)
     bytes_in = dict.fromkeys(shards, 0)  # of fixed leaves; ragged values add what the segments cannot tell
     ragged_in: set[str] = set()
@@ -190,9 +194,10 @@ def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
             if groups[shard, g] != layout:
                 raise c.fail(f"{sf}.group", f"the layout of the first segment, {layout.describe()}", g)
             ranges.setdefault((shard, g), []).append((start, start + count, sf))
+            frame_nbytes, ragged = sizes[shard, g]
             frames_in[shard] += count
-            bytes_in[shard] += count * layout.frame_nbytes
-            if layout.ragged:
+            bytes_in[shard] += count * frame_nbytes
+            if ragged:
                 ragged_in.add(shard)
             total += count
         if name not in layouts:
@@ -251,12 +256,45 @@ def shard_groups(f: Any, c: Check) -> dict:
     return c.mapping(load_json(c.str(meta.get("groups"), "__metadata__.groups"), c, "__metadata__.groups"), "groups")
 
 
-def names_in(f: Any, c: Check, group: str, layout: Layout) -> GroupNames:
-    """The tensor names of a group in an open shard: by the version its ``__metadata__`` records (none: 1)."""
+def shard_version(f: Any, c: Check) -> int:
+    """How an open shard names its tensors: the version its ``__metadata__`` records (none: 1)."""
     version = (f.metadata() or {}).get("version", "1")
     if version not in _SHARD_VERSIONS:
         raise c.fail("__metadata__.version", " or ".join(map(repr, _SHARD_VERSIONS)), version)
-    return group_names(group, layout, int(version))
+    return int(version)
+
+
+def names_in(f: Any, c: Check, group: str, layout: Layout) -> GroupNames:
+    """The tensor names of a group in an open shard: by the version its ``__metadata__`` records (none: 1)."""
+    return group_names(group, layout, shard_version(f, c))
+
+
+def index_run(index: dict, c: Check) -> str | None:
+    """The run a checked index lists (``metadata.run``, written since index version 3); None for an older index."""
+    if index["version"] < INDEX_VERSION:
+        return None
+    return c.str(index["metadata"].get("run"), "metadata.run")
+
+
+def check_run(f: Any, c: Check, run: str | None) -> None:
+    """Refuse an open shard of another run than the index's (``run``; None: an index older than version 3).
+
+    Shard names repeat from run to run (``shard-00000.safetensors``...): a shard whose
+    ``__metadata__.run`` differs was written by another run, in a rewrite (``overwrite=True``)
+    after the index was read. Its rows are never read under the index's filenames. A shard that
+    records no run (an older tdgather's, also one a resumed run linked in) is accepted; so, where
+    neither records a run (a version 1 or 2 dataset rewritten by a tdgather of that age), a
+    rewrite is caught only when the shard's groups or tensors disagree with the index.
+    """
+    got = (f.metadata() or {}).get("run")
+    if got is not None and got != run:
+        want = f"run {run!r}, the index's" if run is not None else "no run, as in an index older than version 3"
+        raise DatasetError(
+            c.file,
+            "__metadata__.run",
+            f"expected {want}, got {got!r:.80}: this file belongs to another run; the dataset was rewritten "
+            "(overwrite=True) since it was opened: open it again",
+        )
 
 
 def check_group(f: Any, c: Check, group: str, layout: Layout) -> int:

@@ -18,8 +18,9 @@ Call order, on every rank of the group:
    answer for as long as it sends heartbeats (ranks may finish hours apart); rank ``dst``
    writes the last shard and the index, answers each peer, and returns a `CollectorSummary`.
 
-On an error anywhere (an exception in the block, a failed or lost peer), every rank raises
-within the timeout. Rank ``dst`` answers ``error`` to every peer at once, writes everything
+On an error anywhere (an exception in the block, a failed or lost peer, Ctrl-C, or SIGTERM as
+SLURM, Kubernetes and torchrun send it: `tdgather.terminate`), every rank raises within the
+timeout. Rank ``dst`` answers ``error`` to every peer at once, writes everything
 that reached it (until each peer's stream ends) to ``<path>.partial``, lists it there in
 ``tdgather.incomplete.json`` (read with ``tdgather.open(path, incomplete=True)``), and writes
 no index.
@@ -45,7 +46,9 @@ from .duplicates import DuplicatePolicy
 from .resume import Saved
 from .sink import DEFAULT_SHARD_BYTES
 from .streams import CollectorSummary, Destination, Sender, Settings
-from .transport import Call, as_timeout, begin_call, transport_group
+from .terminate import SigtermAsExit
+from .transport import Call, as_timeout, begin_call, resolve_dst, transport_group
+from .usermeta import user_metadata
 
 __all__ = ["Collector", "CollectorSummary"]
 
@@ -62,8 +65,10 @@ class Collector:
 
     Args:
         path: the dataset directory (used on rank ``dst``; see `tdgather.save` for the layout).
-        dst: the group rank that receives and writes.
+        dst: the global rank that receives and writes (as in ``torch.distributed``); with neither
+            ``dst`` nor ``group_dst``, global rank 0.
         group: the process group (default: the world); NCCL groups get a side gloo group.
+        group_dst: instead of ``dst``, the receiving rank's rank within ``group``.
         timeout: seconds of silence from another rank that count as a failure; default 30 minutes.
             Busy ranks send heartbeats, so ranks may finish far apart.
         overwrite: replace an existing tdgather dataset (or a failed run's leftovers), atomically,
@@ -78,7 +83,8 @@ class Collector:
         max_shard_bytes: the largest shard rank ``dst`` writes.
         progress: a progress bar on rank ``dst``; default: only when stderr is a terminal.
         log_summary: log the summary (logger ``"tdgather"``) when closing.
-        metadata: extra JSON values stored in the index under ``"metadata"`` (as `tdgather.save`).
+        metadata: your JSON values (numpy scalars are converted), stored in the index as
+            ``metadata["user"]``, beside tdgather's own keys, which never replace yours.
         resume: continue a run that failed (or finished): keep what ``<path>.partial`` (or ``path``)
             holds, give every rank ``saved`` to skip it, drop frames sent again by the duplicates
             policy, and record each attempt in the index. Nothing saved: a fresh run.
@@ -93,8 +99,9 @@ class Collector:
         self,
         path: str | os.PathLike,
         *,
-        dst: int = 0,
+        dst: int | None = None,
         group: Any = None,
+        group_dst: int | None = None,
         timeout: float | timedelta | None = None,
         overwrite: bool = False,
         duplicates: str | DuplicatePolicy = "keep",
@@ -115,11 +122,15 @@ class Collector:
         if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 1):
             expected = "None (derived from the budget) or an integer >= 1"
             raise ValueError(f"chunk_bytes: expected {expected}, got {chunk_bytes!r}")
-        self.path, self.dst, self.group = Path(path), dst, group
+        if dst is not None and group_dst is not None:
+            resolve_dst(None, dst, group_dst)  # raises: only one of them
+        self.path, self.group = Path(path), group
+        self._dst_args = (dst, group_dst)
+        self.dst = 0  # the receiving rank within the group, known once open
         self.timeout = as_timeout(timeout)
         self.overwrite, self.memory_budget, self.max_pending = overwrite, memory_budget, max_pending
         self.resume = resume
-        self.metadata = dict(metadata or {})
+        self.metadata = user_metadata(metadata)  # on every rank, before any work: a bad value names its key
         self.max_shard_bytes, self.progress, self.log_summary = max_shard_bytes, progress, log_summary
         self.duplicates, self.copy = DuplicatePolicy.of(duplicates), copy
         if ranks_per_writer is not None and (type(ranks_per_writer) is not int or ranks_per_writer < 1):
@@ -129,6 +140,7 @@ class Collector:
         self._side: Sender | Destination | None = None
         self._call: Call | None = None
         self._saved: Saved | None = None
+        self._sigterm = SigtermAsExit()
         self.summary: CollectorSummary | None = None  # set by close() on rank dst
 
     def open(self) -> Collector:
@@ -136,8 +148,7 @@ class Collector:
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
         pg = transport_group(self.group) if distributed else None
         rank, world = (dist.get_rank(pg), dist.get_world_size(pg)) if distributed else (0, 1)
-        if not 0 <= self.dst < world:
-            raise ValueError(f"dst: expected a group rank in 0..{world - 1}, got {self.dst}")
+        self.dst = resolve_dst(self.group, *self._dst_args) if distributed else 0
         k = self._block(world)
         block = [p for p in range(rank - rank % k, min(rank - rank % k + k, world)) if p != rank]
         chunk = self._chunk_bytes or min(64 << 20, max(256 << 10, self.memory_budget // (8 * (world + 1))))
@@ -160,6 +171,7 @@ class Collector:
         if not distributed:
             self._side = Destination(settings, None, rank, [])
             self._saved = self._side.saved
+            self._sigterm.install()
             return self
         kind = "Collector" if k >= world else f"Collector(ranks_per_writer={k})"  # every rank must agree on k
         self._call = begin_call(pg, kind, self.dst, self.timeout, str(self.path))
@@ -175,6 +187,7 @@ class Collector:
             self._end_call()
             raise
         self._saved = self._side.saved
+        self._sigterm.install()  # SIGTERM now keeps what this rank holds, as Ctrl-C does
         return self
 
     def _block(self, world: int) -> int:
@@ -250,6 +263,7 @@ class Collector:
             self._end_call()
 
     def _end_call(self) -> None:
+        self._sigterm.remove()
         if self._call is not None:
             self._call.end()
             self._call = None

@@ -131,7 +131,8 @@ def check_demo_output(out: str) -> None:
     from .errors import OutputError
     from .reader import open_dataset
 
-    if (Path(out) / INDEX_NAME).is_file() and not open_dataset(out).metadata.get(DEMO_MARK):
+    meta = open_dataset(out).metadata if (Path(out) / INDEX_NAME).is_file() else None
+    if meta is not None and not (meta.get("user", {}).get(DEMO_MARK) or meta.get(DEMO_MARK)):  # top level: older
         raise OutputError(
             f"output {out!r} holds a tdgather dataset that the demo did not write; the demo replaces only its own "
             "output: pass another --out"

@@ -19,6 +19,7 @@ __all__ = [
     "ProtocolError",
     "ShapeMismatchError",
     "TdgatherError",
+    "Terminated",
     "UnsupportedValueError",
 ]
 
@@ -117,3 +118,25 @@ class DatasetError(TdgatherError, ValueError):
 
 class CallMismatchError(TdgatherError):
     """The ranks of a group are not in the same tdgather call (a different ``dst``, a skipped call, ...)."""
+
+
+class Terminated(SystemExit):
+    """A termination signal (SIGTERM) arrived while a `tdgather.Collector` was open.
+
+    Raised in the main thread, as Ctrl-C raises ``KeyboardInterrupt``, so that the Collector keeps
+    what it holds before the process ends. Like ``SystemExit`` it passes ``except Exception``;
+    uncaught, the process exits with status ``128 + signum`` (143 for SIGTERM), as a shell reports
+    a process the signal ended.
+
+    Attributes:
+        signum: the signal's number.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        import signal
+
+        return f"{signal.Signals(self.signum).name}: the process was asked to stop (status {self.code})"

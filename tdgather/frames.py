@@ -10,6 +10,7 @@ leaves back into a tensor, a TensorDict or the user's tensorclass.
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -59,6 +60,27 @@ class Frames:
 
     frame_idx: torch.Tensor
     frames: Any
+
+    def at(self, frame_idx: Any) -> Frames:
+        """The frame whose ``frame_idx`` is this one (``clip[i]`` is the i-th row, another frame when indexes skip).
+
+        >>> clip = Frames(frame_idx=torch.tensor([0, 5, 10]), frames=torch.arange(3.0), batch_size=[3])
+        >>> clip.at(5).frames, clip[1].frames
+        (tensor(1.), tensor(1.))
+
+        Raises:
+            KeyError: no frame has that index (the message gives the range held).
+            TypeError: ``frame_idx`` is not an integer (a float is never truncated).
+        """
+        if isinstance(frame_idx, bool) or not hasattr(frame_idx, "__index__"):
+            raise TypeError(f"frame_idx: expected an integer, got {type(frame_idx).__name__} {frame_idx!r}")
+        want = operator.index(frame_idx)
+        row = int(torch.searchsorted(self.frame_idx, torch.tensor(want, dtype=self.frame_idx.dtype)))
+        if row >= self.frame_idx.numel() or int(self.frame_idx[row]) != want:
+            held = self.frame_idx.numel()
+            span = f"{int(self.frame_idx[0])}..{int(self.frame_idx[-1])}" if held else "none"
+            raise KeyError(f"frame_idx {want}: no such frame here ({held} frames, frame_idx {span})")
+        return self[row]
 
 
 @dataclass(frozen=True)
@@ -289,6 +311,7 @@ def _flatten(value: Any, batch: int | None, where: str, ragged: RaggedSpec) -> t
         raise UnsupportedValueError(
             f"{where}: expected a tensor, or a dict / TensorDict / tensorclass of tensors"
             f"{', or a list of frames' if batch is not None else ''}, got {type(value).__name__}"
+            f"{_wrap_hint(value, batch)}"
         )
     found: list[tuple[Path, Any, bool]] = []
     _walk(value, (), batch, where, found)
@@ -302,6 +325,23 @@ def _flatten(value: Any, batch: int | None, where: str, ragged: RaggedSpec) -> t
             json_paths.append(path)
             json_values.append(v)
     return Layout("tree", cls, tuple(leaves), tuple(json_paths)), tensors, json_values
+
+
+def _wrap_hint(value: Any, batch: int | None) -> str:
+    """For a bare str, number, bool or None given as a frame (or a batch): the value, and the dict to wrap it in."""
+    if not isinstance(value, _JSON_SCALARS):
+        return ""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    kind = "None" if value is None else f"{'an' if type(value) is int else 'a'} {type(value).__name__}"
+    key = "caption" if isinstance(value, str) else "flag" if isinstance(value, bool) else "score" if number else "note"
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    tensor = f" (a number may also be a tensor: torch.tensor({shown}))" if number else ""
+    if batch is None:
+        return f" {shown}; {kind} is stored as a JSON leaf of a dict: wrap it, e.g. {{{key!r}: {shown}}}{tensor}"
+    return (
+        f" {shown}; {kind} is stored as a JSON leaf of a dict, one value per frame: give the batch as "
+        f"{{{key!r}: [{shown}, ...]}} (a list of {batch}), or a list of per-frame dicts [{{{key!r}: {shown}}}, ...]"
+    )
 
 
 def _named(path: Path, ragged: RaggedSpec) -> bool:

@@ -49,6 +49,7 @@ from .transport import (
     begin_call,
     heartbeat_interval,
     peer_error,
+    resolve_dst,
     transport_group,
 )
 from .wire import DataHeader, Kind, error_header
@@ -115,8 +116,9 @@ class Gathered(Mapping[str, Frames]):
 def gather(
     predictions: FrameStore | Mapping[str, Any],
     *,
-    dst: int = 0,
+    dst: int | None = None,
     group: Any = None,
+    group_dst: int | None = None,
     timeout: float | timedelta | None = None,
     duplicates: str | DuplicatePolicy = "keep",
     ragged: bool | str | Iterable[str] = (),
@@ -127,8 +129,10 @@ def gather(
         predictions: ``{filename: (frame_idx, value)}``, ``{filename: [(frame_idx, value), ...]}``
             or a `FrameStore`. Values are tensors (CPU or CUDA), or dicts / TensorDicts /
             tensorclasses of tensors. Any rank may hold nothing.
-        dst: the group rank that receives.
+        dst: the global rank that receives (as in ``torch.distributed.gather``); with neither
+            ``dst`` nor ``group_dst``, global rank 0.
         group: the process group (default: the world). NCCL groups get a side gloo group.
+        group_dst: instead of ``dst``, the receiver's rank within ``group``.
         timeout: seconds (or a timedelta) any single wait may take; default 30 minutes. Every rank
             must enter ``gather`` within it of the others (ranks that finish far apart: use a
             `Collector`). Once a rank has sent, it waits for rank ``dst`` as long as that is alive.
@@ -156,13 +160,12 @@ def gather(
     start = time.perf_counter()
     wait = as_timeout(timeout)
     policy = DuplicatePolicy.of(duplicates)
+    dst = resolve_dst(group, dst, group_dst)  # from here on, a rank of the group
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         with collection_paused():
             return _Receive(predictions, 0, {}, policy, start, ragged=ragged).local()
     pg = transport_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
-    if not 0 <= dst < world:
-        raise ValueError(f"dst: expected a group rank in 0..{world - 1}, got {dst}")
     call = begin_call(pg, "gather", dst, wait)
     try:
         if rank != dst:

@@ -99,12 +99,18 @@ class Merged:
     Attributes:
         groups: the frames, one `Group` per layout.
         duplicates: the copies dropped.
-        ranks: for each filename, the ranks that sent frames of it.
+        ranks: for each filename, the ranks that sent frames of it (found when asked; each group's
+            ``rank`` has the sender of every row).
     """
 
     groups: list[Group]
     duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
-    ranks: dict[str, set[int]] = field(default_factory=dict)
+    parts: list[Part] = field(default_factory=list, repr=False)
+
+    @property
+    def ranks(self) -> dict[str, set[int]]:
+        """For each filename, the ranks that sent frames of it."""
+        return ranks_of(self.parts)
 
     @property
     def files(self) -> dict[str, Frames]:
@@ -147,7 +153,7 @@ def merge(
         groups.append(placement.group(buffers))
     if mismatches:
         groups = keep_first_layouts(groups, mismatches)
-    return Merged(groups, found, ranks_of(parts))
+    return Merged(groups, found, parts)
 
 
 def _references(placement: Placement, members: list[Part]) -> list[Any]:

@@ -89,7 +89,7 @@ class Group:
 
     Filename ``files[i]`` holds rows ``starts[i] : starts[i] + counts[i]`` of ``frame_idx``, of
     every tensor in ``leaves`` (``[N, *leaf.shape]``; a `Ragged` of N frames for a ragged leaf)
-    and of every list in ``json``.
+    and of every list in ``json``. ``rank`` (int32 ``[N]``), where known, is the rank that sent each row.
     """
 
     layout: Layout
@@ -98,6 +98,7 @@ class Group:
     frame_idx: torch.Tensor
     leaves: list[torch.Tensor]
     json: list[list]
+    rank: torch.Tensor | None = None
     starts: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +121,7 @@ class Group:
             self.frame_idx[rows],
             [t.index_select(0, rows) for t in self.leaves],
             [[values[k] for k in rows.tolist()] for values in self.json],
+            None if self.rank is None else self.rank[rows],
         )
 
     def frames(self, i: int) -> Frames:
@@ -153,6 +155,7 @@ class Placement:
     offsets: list[torch.Tensor | None] = field(default_factory=list)  # per ragged leaf: [N + D + 1]
     # per source, per leaf: the buffer rows its rows go to (a ragged leaf's: `ValuePlaces`, sliced as needed)
     leaf_dest: list[list[Any]] = field(default_factory=list)
+    rank: torch.Tensor | None = None  # int32 [N]: the rank of each result row's (kept) copy
 
     @property
     def num_frames(self) -> int:
@@ -179,7 +182,8 @@ class Placement:
     def group(self, buffers: list[torch.Tensor]) -> Group:
         """The result: views of the first N rows."""
         n = self.num_frames
-        return Group(self.layout, self.files, self.counts, self.frame_idx, [b[:n] for b in buffers], self.json)
+        leaves = [b[:n] for b in buffers]
+        return Group(self.layout, self.files, self.counts, self.frame_idx, leaves, self.json, self.rank)
 
     def salvage(self, buffers: list[torch.Tensor], landed: torch.Tensor) -> Group:
         """The result from the rows that landed (a sender failed part-way), one copy per frame.
@@ -189,10 +193,13 @@ class Placement:
         n = self.num_frames
         have = landed[:n].clone()
         take = torch.arange(n)  # the buffer row each result row is taken from
+        rank = None if self.rank is None else self.rank.clone()
         if self.kept.numel():
             stand_in = (landed[n:] & ~have[self.kept]).nonzero().flatten()
             take[self.kept[stand_in]] = n + stand_in
             have[self.kept[stand_in]] = True
+            if rank is not None:
+                rank[self.kept[stand_in]] = self.later_rank[stand_in].to(torch.int32)
         keep = have.nonzero().flatten()
         file_of = torch.repeat_interleave(torch.arange(len(self.files)), torch.tensor(self.counts, dtype=torch.int64))
         counts = torch.bincount(file_of[keep], minlength=len(self.files)).tolist()
@@ -203,6 +210,7 @@ class Placement:
             self.frame_idx[keep],
             [b.index_select(0, take[keep]) for b in buffers],
             [[values[k] for k in keep.tolist()] for values in self.json],
+            None if rank is None else rank[keep],
         )
 
     def check_duplicates(self, buffers: list[torch.Tensor], policy: Any) -> DuplicateCounts:
@@ -310,6 +318,7 @@ def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
         later_pos, kept = order[later], firsts[later] - 1
     bounds = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
     ranks = torch.tensor([p.rank for p in parts], dtype=torch.int64)
+    first_rank = ranks[torch.searchsorted(bounds, order[first], right=True)].to(torch.int32)
     later_rank = ranks[torch.searchsorted(bounds, later_pos, right=True)]
     kept_rank = ranks[torch.searchsorted(bounds, order[first][kept], right=True)] if kept.numel() else kept
     json_all = [[v for p in parts for v in p.json[j]] for j in range(len(layout.nontensor))]
@@ -333,6 +342,7 @@ def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
         later_json,
         offsets,
         leaf_dest,
+        first_rank,
     )
 
 

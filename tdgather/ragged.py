@@ -9,10 +9,16 @@ T frames is two plain tensors and no padding:
 That is exactly what a jagged nested tensor (``torch.nested``, ``layout=torch.jagged``) holds,
 so users give and get those (`Ragged.to_nested` is a view), and `padded` pads one on request.
 `Ragged` is the internal column: row slices are views, `index_select` gathers whole frames.
+
+Devices: a `Ragged` keeps its ``offsets`` on the CPU (the store reads them to slice and count rows),
+while its ``values`` may sit on a GPU until the store copies them to the host (once, pinned). torch
+wants a jagged nested tensor's offsets on its values' device, so `Ragged.to_nested` puts them there;
+every helper here makes its index tensors on the device of the tensor it indexes.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +29,22 @@ from .errors import ShapeMismatchError
 from .rows import scatter_rows
 
 __all__ = ["Ragged", "element_index", "joined", "offsets_of", "padded", "values_of"]
+
+
+class _FxTracingNotice(logging.Filter):
+    """Drops one warning torch logs when a jagged nested tensor is built, and only that one.
+
+    ``torch.nested.nested_tensor_from_jagged`` (which `Ragged.to_nested` and a detector's own code
+    call) asks ``torch.fx``'s deprecated ``is_fx_tracing()``, which logs "is_fx_tracing will return
+    true for both fx.symbolic_trace and torch.export..." once per process: a note to torch's own
+    code, shown on every rank of every job that builds a jagged tensor. Nothing in it is for users.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("is_fx_tracing will return true")
+
+
+logging.getLogger("torch.fx._symbolic_trace").addFilter(_FxTracingNotice())
 
 
 class Ragged:
@@ -77,6 +99,8 @@ class Ragged:
         offsets = getattr(nt, "_offsets", None)
         if values is None or offsets is None:
             values, offsets = nt.values(), nt.offsets()
+        # on a GPU: the offsets (8 bytes a frame) come to the host now, the values stay until the store
+        # copies them once, asynchronously, into pinned memory
         return Ragged(values, offsets.to("cpu", torch.int64))
 
     @staticmethod
@@ -131,13 +155,21 @@ class Ragged:
         if dim != 0:
             raise ValueError("Ragged frames are selected along dim 0")
         lengths = self.lengths[rows]
-        values = self.values.index_select(0, element_index(self.offsets[:-1][rows], lengths))
+        index = element_index(self.offsets[:-1][rows], lengths)
+        values = self.values.index_select(0, index.to(self.values.device))
         return Ragged.from_lengths(values, lengths)
 
     def to_nested(self) -> torch.Tensor:
-        """These frames as a jagged nested tensor ``[T, j, *shape]`` (a view of the values)."""
+        """These frames as a jagged nested tensor ``[T, j, *shape]`` (a view of the values).
+
+        The nested tensor's offsets are on the values' device, as torch requires (values on a GPU:
+        a copy of ``T + 1`` int64 there; the values are not copied).
+        """
         values, lengths = self.span()
-        return torch.nested.nested_tensor_from_jagged(values, offsets_of(lengths))
+        offsets = offsets_of(lengths)
+        if offsets.device != values.device:
+            offsets = offsets.to(values.device)
+        return torch.nested.nested_tensor_from_jagged(values, offsets)
 
 
 def joined(columns: Sequence[Ragged]) -> list[Ragged]:
@@ -167,8 +199,8 @@ def joined(columns: Sequence[Ragged]) -> list[Ragged]:
 
 
 def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
-    """int64 ``[T + 1]``: 0, then the running total of ``lengths``."""
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    """int64 ``[T + 1]``: 0, then the running total of ``lengths`` (on the device of ``lengths``)."""
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     return offsets
 
@@ -181,14 +213,17 @@ def values_of(column: Any) -> torch.Tensor:
 def element_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """The rows ``starts[i] .. starts[i] + lengths[i] - 1`` of every frame ``i``, back to back (int64).
 
+    On the device of ``starts`` and ``lengths`` (one device for both; the total is read on the host).
+
     >>> element_index(torch.tensor([5, 0, 9]), torch.tensor([2, 0, 3])).tolist()
     [5, 6, 9, 10, 11]
     """
     total = int(lengths.sum()) if lengths.numel() else 0
     if not total:
-        return torch.empty(0, dtype=torch.int64)
+        return torch.empty(0, dtype=torch.int64, device=starts.device)
     before = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(starts - before, lengths, output_size=total) + torch.arange(total)
+    steps = torch.arange(total, device=starts.device)
+    return torch.repeat_interleave(starts - before, lengths, output_size=total) + steps
 
 
 def padded(x: Any, value: float | bool = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,15 +3,25 @@
 Reading one filename opens its shard(s) with ``safetensors.safe_open`` and
 slices only that filename's rows; segments written at different times are
 merged by ``frame_idx``. Nothing on disk is trusted (`tdgather._index_check`):
-the index is checked whole at open, a shard's header the first time it is
-touched, JSON offsets and lines as they are read; anything malformed raises
+the index is checked whole at open, a shard's header each time the shard is
+opened, JSON offsets and lines as they are read; anything malformed raises
 `DatasetError`, and no path outside the dataset directory is ever opened.
+
+A `Dataset` keeps the shards it opened open (up to `OPEN_SHARDS`, least recently
+used closed first), so a read costs the same however many filenames the dataset
+holds, and a handle keeps reading the files it opened after the dataset is
+rewritten (``overwrite=True`` replaces files, never edits them). A shard opened
+after a rewrite is another run's: its ``__metadata__.run`` differs from the
+index's, and it is refused (`check_run`), never read under the old names.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,26 +32,62 @@ from ._index_check import (
     check_group,
     check_index,
     check_layout,
+    check_run,
     check_segment,
     check_shard,
+    index_run,
     json_scalar,
     key,
     load_json,
     names_in,
     open_shard,
     shard_groups,
+    shard_version,
 )
-from ._names import GroupNames
+from ._names import GroupNames, group_names
 from ._output import INCOMPLETE_NAME, INDEX_NAME
 from .errors import DatasetError, OutputError
 from .frames import Frames, Layout, rebuild
 from .ragged import Ragged
 
-__all__ = ["Dataset", "open_dataset", "read_segment"]
+__all__ = ["OPEN_SHARDS", "Dataset", "OpenShard", "open_dataset", "read_segment"]
+
+OPEN_SHARDS = 128  # shards a Dataset keeps open (mapped; no file descriptor stays open): least recently used go
+
+
+@dataclass
+class OpenShard:
+    """A shard a `Dataset` opened and checked: the ``safe_open`` handle, and its tensor names per group.
+
+    The handle maps the file as it was when opened: it keeps reading those bytes after the path is
+    replaced or removed.
+
+    Attributes:
+        f: the ``safe_open`` handle.
+        c: the shard file's `Check` (errors name the file).
+        version: the tensor names' version (`tdgather._names`), from its ``__metadata__``.
+    """
+
+    f: Any
+    c: Check
+    version: int
+    _names: dict = field(default_factory=dict, init=False, repr=False)
+
+    def names(self, group: str, layout: Layout) -> GroupNames:
+        """The tensor names of ``group`` read with ``layout`` (cached)."""
+        got = self._names.get((group, layout))
+        if got is None:
+            got = self._names[group, layout] = group_names(group, layout, self.version)
+        return got
 
 
 class Dataset(Mapping[str, Frames]):
     """A saved dataset; ``ds[filename]`` reads that filename's frames from disk.
+
+    Shards are opened on first use and kept open (`OPEN_SHARDS` at most); a handle opened before
+    the dataset was rewritten (``overwrite=True``) keeps reading the shards it had open, and
+    refuses, with a `DatasetError` naming the file, a shard it opens afterwards (another run's).
+    Pickled (a spawned DataLoader worker), it leaves its open shards behind.
 
     Attributes:
         path: the dataset directory.
@@ -91,7 +137,20 @@ class Dataset(Mapping[str, Frames]):
         self._plan = check_index(self.index, str(index_path), incomplete)  # all of it, before any shard
         self.metadata: dict[str, Any] = self.index["metadata"]
         self._files: dict[str, dict] = self.index["files"]
-        self._checked: set[str] = set()  # shards whose header passed; a failed one is checked again
+        self._run = index_run(self.index, self._index)  # every shard opened must be of this run
+        self._open: OrderedDict[str, OpenShard] = OrderedDict()  # by shard name, least recently used first
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        """Pickled (a spawned DataLoader worker) without open shards: the copy opens and checks its own."""
+        state = self.__dict__.copy()
+        del state["_open"], state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open = OrderedDict()
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._files)
@@ -117,11 +176,11 @@ class Dataset(Mapping[str, Frames]):
         if not ragged:
             return out
         idx, per_leaf = [], {j: [] for j in ragged}
-        for f, c, group, lo, hi in self._segments(name):
-            names = names_in(f, c, group, layout)
-            idx.append(f.get_slice(names.frame_idx)[lo:hi])
+        for shard, group, lo, hi in self._segments(name):
+            names = shard.names(group, layout)
+            idx.append(shard.f.get_slice(names.frame_idx)[lo:hi])
             for j in ragged:
-                per_leaf[j].append(_offsets(f, c, names, names.leaves[j], lo, hi)[0].diff())
+                per_leaf[j].append(_offsets(shard.f, shard.c, names, names.leaves[j], lo, hi)[0].diff())
         order = torch.argsort(torch.cat(idx))
         for j in ragged:
             out[".".join(layout.leaves[j].path) or "<tensor>"] = torch.cat(per_leaf[j])[order]
@@ -141,28 +200,45 @@ class Dataset(Mapping[str, Frames]):
 
     def verify(self) -> None:
         """Check every shard's header against the index now (`__getitem__` does it lazily, per shard)."""
-        for shard, entry in self.index["shards"].items():
-            if shard not in self._checked:
-                with open_shard(self.path, shard, self._index, f"shards[{shard!r}]") as f:
-                    check_shard(f, Check(self.path / shard), shard, entry["groups"], self._plan, self._index)
-                self._checked.add(shard)
+        for shard in self.index["shards"]:
+            self.shard(shard, f"shards[{shard!r}]")
 
-    def _segments(self, name: str, only: int | None = None) -> Iterator[tuple[Any, Check, str, int, int]]:
-        """Each segment of ``name`` (or only segment ``only``): its open shard (header checked once), group, rows."""
-        segments = list(enumerate(self._files[name]["segments"]))
-        for i, segment in segments if only is None else segments[only : only + 1]:
-            shard, group, lo = segment["shard"], segment["group"], segment["start"]
-            c = Check(self.path / shard)
-            with open_shard(self.path, shard, self._index, f"files{key(name)}.segments[{i}].shard") as f:
-                if shard not in self._checked:  # the first touch checks the whole header, once
-                    check_shard(f, c, shard, self.index["shards"][shard]["groups"], self._plan, self._index)
-                    self._checked.add(shard)
-                yield f, c, group, lo, lo + segment["frames"]
+    def shard(self, shard: str, field: str = "shards") -> OpenShard:
+        """A shard of the index, open and checked (``field``: the index field that names it, for errors).
+
+        Opened once and kept (`OPEN_SHARDS` at most). Each open checks the header against the index
+        (`check_shard`) and that the file is of the run the index lists (`check_run`): a file
+        replaced since the dataset was opened (by ``save(..., overwrite=True)``) raises `DatasetError`;
+        a shard opened before keeps giving what it held then.
+        """
+        with self._lock:
+            got = self._open.get(shard)
+            if got is not None:
+                self._open.move_to_end(shard)
+                return got
+        f = open_shard(self.path, shard, self._index, field)
+        c = Check(self.path / shard)
+        check_run(f, c, self._run)
+        check_shard(f, c, shard, self.index["shards"][shard]["groups"], self._plan, self._index)
+        opened = OpenShard(f, c, shard_version(f, c))
+        with self._lock:
+            self._open[shard] = opened
+            while len(self._open) > OPEN_SHARDS:
+                self._open.popitem(last=False)
+        return opened
+
+    def _segments(self, name: str, only: int | None = None) -> Iterator[tuple[OpenShard, str, int, int]]:
+        """Each segment of ``name`` (or only segment ``only``): its open shard, group, and rows ``lo, hi``."""
+        segments = self._files[name]["segments"]
+        for i in range(len(segments)) if only is None else range(only, min(only + 1, len(segments))):
+            segment = segments[i]
+            shard = self.shard(segment["shard"], f"files{key(name)}.segments[{i}].shard")
+            yield shard, segment["group"], segment["start"], segment["start"] + segment["frames"]
 
     def __getitem__(self, name: str) -> Frames:
         entry = self._files[name]
         layout = self.layout(name)
-        pieces = [_rows(f, c, group, layout, lo, hi) for f, c, group, lo, hi in self._segments(name)]
+        pieces = [_rows(s.f, s.c, s.names(group, layout), layout, lo, hi) for s, group, lo, hi in self._segments(name)]
         idx, tensors, json_values = pieces[0]
         if len(pieces) > 1:  # segments written at different times: merge them by frame_idx
             order = torch.argsort(torch.cat([p[0] for p in pieces]))
@@ -201,7 +277,7 @@ def read_segment(root: str | os.PathLike, segment: dict, layout: Layout) -> tupl
         n = check_group(f, s, group, layout)
         if lo + count > n:
             raise c.fail("segment", f"start + frames <= {n}, the rows of {group} in {shard}", lo + count)
-        return _rows(f, s, group, layout, lo, lo + count)
+        return _rows(f, s, names_in(f, s, group, layout), layout, lo, lo + count)
 
 
 def _cat(columns: list) -> Any:
@@ -237,9 +313,8 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.untyped_storage().nbytes() > 2 * t.nbytes + 4096 else t
 
 
-def _rows(f: Any, c: Check, group: str, layout: Layout, lo: int, hi: int) -> tuple[torch.Tensor, list, list]:
-    """Rows ``lo:hi`` of a group whose header is checked; offsets and JSON lines are checked as read."""
-    names = names_in(f, c, group, layout)
+def _rows(f: Any, c: Check, names: GroupNames, layout: Layout, lo: int, hi: int) -> tuple[torch.Tensor, list, list]:
+    """Rows ``lo:hi`` of a group (its tensor ``names``) whose header is checked; offsets, JSON lines checked as read."""
     idx = _own(f.get_slice(names.frame_idx)[lo:hi])
     tensors: list[Any] = []
     for name, leaf in zip(names.leaves, layout.leaves, strict=True):

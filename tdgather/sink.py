@@ -30,10 +30,10 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -53,15 +53,17 @@ from ._output import (
     remove_ours,
     staging_of,
 )
-from ._runs import add_runs, in_runs
+from ._runs import in_runs
+from .catalog import UNKNOWN, Catalog
 from .duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
-from .errors import FrameConflictError, OutputError, ShapeMismatchError
+from .errors import FrameConflictError, OutputError, ShapeMismatchError, UnsupportedValueError
 from .frames import Frames, Layout, flatten, ragged_hint
 from .merge import Rows
 from .plan import Mismatches
 from .ragged import Ragged, joined, offsets_of
 from .reader import read_segment
 from .resume import SavedState, from_shards, load_state, new_run
+from .usermeta import USER_KEY, user_metadata
 from .writers import index_version, next_number, shard_name
 
 __all__ = [
@@ -136,14 +138,12 @@ class DatasetWriter:
         self.overwrite = overwrite or (resume and (self.target / INDEX_NAME).is_file())
         self.run, self.attempts, self.attempt = state.run, state.attempts, part[1] if part else state.attempt
         self.saved = state.saved()  # what earlier attempts saved, as every rank gets it
-        self.files: dict[str, dict] = state.files
         self.shards: dict[str, dict] = state.shards
+        self.catalog = Catalog()  # per filename: layout, frames written (as runs), segments, senders
+        self.catalog.load(state.files, state.layouts, state.written)
         self._saved_frames = self.frames
         self._next_shard = next_number(existing, writer)
         self.duplicates = DuplicateCounts()  # copies dropped against frames already on disk
-        self._ranks: dict[str, set[int]] = {}  # per filename, the ranks whose frames were written
-        self._layouts: dict[str, Layout] = dict(state.layouts)
-        self._written: dict[str, torch.Tensor] = state.written  # per filename, frame_idx written, as runs
         self._syncer: ThreadPoolExecutor | None = None  # makes shards durable while the next is written
         self._syncing: list[tuple[str, Future]] = []
         self._failed: list[str] = []  # shards whose last step failed: never listed
@@ -171,6 +171,11 @@ class DatasetWriter:
         return sum(s["frames"] for s in self.shards.values())
 
     @property
+    def files(self) -> dict[str, dict]:
+        """``{filename: {"frames", "segments"}}`` committed so far, as the index lists them (built on each call)."""
+        return self.catalog.files()
+
+    @property
     def nbytes(self) -> int:
         """Frame bytes committed so far."""
         return sum(s["bytes"] for s in self.shards.values())
@@ -186,7 +191,9 @@ class DatasetWriter:
         Args:
             frames: the frames, one `Frames` per filename; or anything with ``groups`` (a
                 `tdgather.Gathered`, a merge's result), whose columnar buffers are written as they are.
-            ranks: for each filename, the ranks that sent these frames (named in conflict errors).
+                A group's ``rank`` (one sender per row, as a merge gives) names each frame's sender in errors.
+            ranks: for each filename, the ranks that sent these frames (named in conflict errors, where
+                the frames carry no ``rank`` of their own and one rank sent them all).
             mismatches: go on past a filename written before with another layout: leave out its
                 new frames and record the filename and its error here.
 
@@ -199,105 +206,134 @@ class DatasetWriter:
             return self._write(frames, ranks or {}, mismatches)
 
     def _write(self, frames: Any, ranks: Mapping[str, set[int]], mismatches: Mismatches | None) -> list[str]:
-        shards: list[list[tuple]] = [[]]
+        shards: list[list[_Item]] = [[]]
         size = 0
-        for name, layout, idx, tensors, json_values, runs in _items(frames):
-            if mismatches is not None and self._layouts.get(name, layout) != layout:
-                mismatches.setdefault(name, (self._layouts[name], self._mismatch(name, layout, ranks)))
-                continue
-            if name in self._layouts:
-                idx, tensors, json_values = self._drop_written(name, layout, idx, tensors, json_values, ranks)
-                runs = None
-                if not idx.numel():
-                    continue
-            nbytes = _frame_bytes(layout, idx, tensors)
-            if shards[-1] and size + nbytes + 8 * idx.numel() > self.max_shard_bytes:
+        for item in self._drop_written(_items(frames, ranks), mismatches):
+            nbytes = _frame_bytes(item.layout, item.idx, item.tensors)
+            if shards[-1] and size + nbytes + 8 * item.idx.numel() > self.max_shard_bytes:
                 shards.append([])
                 size = 0
-            shards[-1].append((name, layout, idx, tensors, json_values, runs, nbytes))
-            size += nbytes + 8 * idx.numel()
-        written = []
-        for shard in (s for s in shards if s):
-            name_of_shard = shard_name(self.writer, self._next_shard)
-            self._next_shard += 1
-            groups, entries, segments = _shard_tensors(shard, name_of_shard)
-            record = [
-                [item[0], seg["group"], seg["start"], seg["frames"]] for item, seg in zip(shard, segments, strict=True)
-            ]
-            meta = {
-                "format": FORMAT,
-                "version": SHARD_VERSION,
-                "shard": name_of_shard,
-                "groups": json.dumps(groups),
-                "segments": json.dumps(record, ensure_ascii=False),  # what a resumed run reads back
-                "run": self.run,
-                "attempt": str(self.attempt),
-            }
-            write_safetensors(self.staging / name_of_shard, entries, meta, then=self._in_background(name_of_shard))
-            for (name, layout, idx, _, _, runs, _), segment in zip(shard, segments, strict=True):
-                entry = self.files.setdefault(name, {"frames": 0, "segments": []})
-                entry["frames"] += segment["frames"]
-                entry["segments"].append(segment)
-                self._layouts[name] = layout
-                old = self._written.get(name)
-                self._written[name] = runs if old is None and runs is not None else add_runs(old, idx)
-                self._ranks.setdefault(name, set()).update(ranks.get(name, ()))
-            self.shards[name_of_shard] = {
-                "frames": sum(x[2].numel() for x in shard),
-                "bytes": sum(x[6] for x in shard),
-                "groups": groups,
-            }
-            written.append(name_of_shard)
-        return written
+            shards[-1].append(item)
+            size += nbytes + 8 * item.idx.numel()
+        return [self._write_shard(shard) for shard in shards if shard]
 
-    def _written_by(self, name: str, ranks: str) -> str:
-        """Who wrote ``name``'s frames on disk: ``ranks`` (formatted with the list), or an earlier attempt."""
-        old_ranks = sorted(self._ranks.get(name, ()))
-        return ranks.format(old_ranks) if old_ranks else "an earlier attempt of this run"
+    def _write_shard(self, shard: list[_Item]) -> str:
+        name_of_shard = shard_name(self.writer, self._next_shard)
+        self._next_shard += 1
+        groups, entries, segments = _shard_tensors(shard)
+        record = [[item.name, *s] for item, s in zip(shard, segments, strict=True)]
+        meta = {
+            "format": FORMAT,
+            "version": SHARD_VERSION,
+            "shard": name_of_shard,
+            "groups": json.dumps(groups),
+            "segments": json.dumps(record, ensure_ascii=False),  # what a resumed run reads back
+            "run": self.run,
+            "attempt": str(self.attempt),
+        }
+        write_safetensors(self.staging / name_of_shard, entries, meta, then=self._in_background(name_of_shard))
+        for item, (group, start, frames) in zip(shard, segments, strict=True):
+            segment = {"shard": name_of_shard, "group": group, "start": start, "frames": frames}
+            self.catalog.add(item.name, item.layout, segment, item.idx, item.runs, item.rank)
+        self.shards[name_of_shard] = {
+            "frames": sum(item.idx.numel() for item in shard),
+            "bytes": sum(_frame_bytes(item.layout, item.idx, item.tensors) for item in shard),
+            "groups": groups,
+        }
+        return name_of_shard
 
-    def _mismatch(self, name: str, layout: Layout, ranks: Mapping) -> ShapeMismatchError:
-        new_ranks = sorted(ranks.get(name, ()))
+    def _mismatch(self, item: _Item) -> ShapeMismatchError:
+        old_layout, old_ranks = self.catalog.layout(item.name), self.catalog.ranks(item.name)
+        before = f"from ranks {old_ranks}" if old_ranks else "an earlier attempt of this run"
         return ShapeMismatchError(
-            f"filename {name!r}: frames already written ({self._written_by(name, 'from ranks {}')}) have "
-            f"{self._layouts[name].describe()}, new ones (from ranks {new_ranks}) have {layout.describe()}; "
+            f"filename {item.name!r}: frames already written ({before}) have "
+            f"{old_layout.describe()}, new ones (from ranks {_ranks_in(item.rank)}) have {item.layout.describe()}; "
             "every frame of a filename must have the same structure, shape and dtype"
-            f"{ragged_hint(self._layouts[name], layout)}"
+            f"{ragged_hint(old_layout, item.layout)}"
         )
 
-    def _drop_written(
-        self, name: str, layout: Layout, idx: torch.Tensor, tensors: list, json_values: list, ranks: Mapping
-    ) -> tuple:
-        """Resolve frames of ``name`` already on disk by the policy: the disk copy stays, the new one goes."""
-        if layout != self._layouts[name]:
-            raise self._mismatch(name, layout, ranks)
-        again = in_runs(self._written[name], idx)
-        if not bool(again.any()):
-            return idx, tensors, json_values
-        self._settle()  # the shards read back must be in place
+    def _drop_written(self, items: list[_Item], mismatches: Mismatches | None) -> list[_Item]:
+        """Resolve frames already on disk by the policy: the disk copy stays, the new one goes.
 
-        for segment in self.files[name]["segments"]:
-            old_idx, old_tensors, old_json = read_segment(self.staging, segment, layout)
-            new_pos = (again & torch.isin(idx, old_idx)).nonzero().flatten()
-            if not new_pos.numel():
+        A filename written before with another layout raises (or, with ``mismatches``, is recorded
+        and left out). Every copy is compared in one pass: each shard is opened once per window of
+        rows (`_windows`), not once per filename.
+        """
+        out: list[_Item | None] = list(items)
+        hits: list[tuple[int, torch.Tensor]] = []  # (item, which of its frames are on disk)
+        for k, item in enumerate(items):
+            layout = self.catalog.layout(item.name)
+            if layout is None:
                 continue
-            old_pos = torch.searchsorted(old_idx, idx[new_pos])
-            verdict = compare(
-                layout,
-                [t.index_select(0, new_pos) for t in tensors],
-                [t.index_select(0, old_pos) for t in old_tensors],
-                [[values[k] for k in new_pos.tolist()] for values in json_values],
-                [[values[k] for k in old_pos.tolist()] for values in old_json],
-                self.policy,
-            )
-            if bool(verdict.refused.any()):
-                k = int(verdict.refused.nonzero()[0])
-                who = f"{self._written_by(name, 'rank(s) {}')} and later rank(s) {sorted(ranks.get(name, ()))}"
-                where = f" (the first copy was written to {segment['shard']} before this one arrived)"
-                raise conflict(name, int(idx[new_pos[k]]), verdict.describe(k), self.policy, who, where)
-            self.duplicates += verdict.counts
-        keep = (~again).nonzero().flatten()
-        kept_json = [[values[k] for k in keep.tolist()] for values in json_values]
-        return idx[keep], [t.index_select(0, keep) for t in tensors], kept_json
+            if layout != item.layout:
+                if mismatches is None:
+                    raise self._mismatch(item)
+                mismatches.setdefault(item.name, (layout, self._mismatch(item)))
+                out[k] = None
+                continue
+            again = in_runs(self.catalog.written(item.name), item.idx)
+            if bool(again.any()):
+                hits.append((k, again))
+                out[k] = _take(item, (~again).nonzero().flatten())
+        if hits:
+            self._settle()  # the shards read back must be in place
+            self._compare_written(items, hits)
+        return [item for item in out if item is not None and item.idx.numel()]
+
+    def _compare_written(self, items: list[_Item], hits: list[tuple[int, torch.Tensor]]) -> None:
+        """Compare the copies ``hits`` names with the frames on disk, a window of a shard's group at a time."""
+        by_group: dict[tuple[str, str], list[tuple[dict, int, torch.Tensor]]] = {}
+        for k, again in hits:
+            for seg in self.catalog.segments(items[k].name):
+                by_group.setdefault((seg["shard"], seg["group"]), []).append((seg, k, again))
+        for (shard, group), segs in by_group.items():
+            layout = items[segs[0][1]].layout
+            for lo, hi, window in _windows(segs, layout):
+                window_seg = {"shard": shard, "group": group, "start": lo, "frames": hi - lo}
+                old_idx, old_tensors, old_json = read_segment(self.staging, window_seg, layout)
+                self._compare_window(items, window, lo, layout, old_idx, old_tensors, old_json)
+
+    def _compare_window(
+        self, items: list[_Item], window: list, lo: int, layout: Layout, old_idx, old_tensors, old_json
+    ) -> None:
+        new_rows, old_rows, where = [], [], []  # per copy: its item and row, the row on disk, its segment
+        for seg, k, again in window:
+            a = seg["start"] - lo
+            on_disk = old_idx[a : a + seg["frames"]]
+            idx = items[k].idx
+            pos = (again & torch.isin(idx, on_disk)).nonzero().flatten()
+            if pos.numel():
+                new_rows.append((k, pos))
+                old_rows.append(a + torch.searchsorted(on_disk, idx[pos]))
+                where.extend((seg, k, p) for p in pos.tolist())
+        if not new_rows:
+            return
+        old_pos = torch.cat(old_rows)
+        leaves, json_leaves = range(len(layout.leaves)), range(len(layout.nontensor))
+        new_tensors = [_cat([items[k].tensors[j].index_select(0, p) for k, p in new_rows]) for j in leaves]
+        new_json = [[items[k].json[j][i] for k, p in new_rows for i in p.tolist()] for j in json_leaves]
+        verdict = compare(
+            layout,
+            new_tensors,
+            [t.index_select(0, old_pos) for t in old_tensors],
+            new_json,
+            [[values[i] for i in old_pos.tolist()] for values in old_json],
+            self.policy,
+        )
+        if bool(verdict.refused.any()):
+            c = int(verdict.refused.nonzero()[0])
+            seg, k, p = where[c]
+            raise self._conflict(items[k], p, seg, int(old_pos[c]) - (seg["start"] - lo), verdict.describe(c))
+        self.duplicates += verdict.counts
+
+    def _conflict(self, item: _Item, pos: int, seg: dict, row: int, how: str) -> Exception:
+        """The error for copy ``pos`` of ``item``, refused against row ``row`` of segment ``seg`` on disk."""
+        old = int(self.catalog.rank_rows(seg["k"])[row])
+        new = item.rank if isinstance(item.rank, int) else int(item.rank[pos])
+        first = f"rank {old}" if old >= 0 else "an earlier attempt of this run"
+        later = f"later rank {new}" if new >= 0 else f"a later copy (from ranks {_ranks_in(item.rank)})"
+        where = f" (the first copy was written to {seg['shard']} before this one arrived)"
+        return conflict(item.name, int(item.idx[pos]), how, self.policy, f"{first} and {later}", where)
 
     def report(self) -> dict[str, dict]:
         """A writer's part (`tdgather.writers`): once every shard is durable, each one's frames, bytes and file size."""
@@ -334,7 +370,8 @@ class DatasetWriter:
         if not names:  # no writer had a frame: an empty dataset
             return DuplicateCounts()
         state = from_shards(self.staging, names, policy=self.policy, frames=False)
-        self.shards, self.files = state.shards, state.files
+        self.shards, self.catalog = state.shards, Catalog()
+        self.catalog.load(state.files, state.layouts, state.written)
         return state.duplicates
 
     def commit(self, metadata: Mapping[str, Any] | None = None) -> Path:
@@ -346,7 +383,7 @@ class DatasetWriter:
         if self.part is not None:
             return self.staging
         (self.staging / INCOMPLETE_NAME).unlink(missing_ok=True)  # an earlier attempt's record
-        _write_atomic(self.staging / INDEX_NAME, [self._index(metadata)])
+        _write_atomic(self.staging / INDEX_NAME, self._index(metadata))
         publish(self.staging, self.target, self.overwrite)
         self._unlock()
         return self.target
@@ -369,16 +406,13 @@ class DatasetWriter:
         failed = self._settle(raise_first=False)
         for name in failed:  # a shard that never became durable is not listed
             self.shards.pop(name, None)
-            for entry in self.files.values():
-                entry["segments"] = [seg for seg in entry["segments"] if seg["shard"] != name]
-                entry["frames"] = sum(seg["frames"] for seg in entry["segments"])
-        self.files = {name: entry for name, entry in self.files.items() if entry["segments"]}
+        self.catalog.drop_shards(set(failed))
         if failure is not None and self.part is None:  # a writer's failure goes to the coordinator, who records it
             who = getattr(failure, "rank", None)
             if who is None and not isinstance(failure, FrameConflictError):
                 who = rank
             info = {"type": type(failure).__name__, "message": str(failure), "rank": who}
-            _write_atomic(self.staging / INCOMPLETE_NAME, [self._index({**(metadata or {}), "failure": info}, info)])
+            _write_atomic(self.staging / INCOMPLETE_NAME, self._index({**(metadata or {}), "failure": info}, info))
         self._unlock()
         return self.staging
 
@@ -410,7 +444,8 @@ class DatasetWriter:
             raise first
         return self._failed
 
-    def _index(self, metadata: Mapping[str, Any] | None, failure: dict | None = None) -> bytes:
+    def _index(self, metadata: Mapping[str, Any] | None, failure: dict | None = None) -> Iterator[bytes]:
+        """The index's JSON, in pieces: ``files`` (last) is written from the catalog a few filenames at a time."""
         this = {"attempt": self.attempt, "frames": self.frames - self._saved_frames, "failure": failure}
         index = {
             "format": FORMAT,
@@ -421,12 +456,15 @@ class DatasetWriter:
                 "attempts": [*self.attempts, this],  # how many frames each attempt saved, and how it ended
                 "total_frames": self.frames,
                 "total_bytes": self.nbytes,
-                "num_filenames": len(self.files),
+                "num_filenames": self.catalog.num_files(),
             },
             "shards": self.shards,
-            "files": dict(sorted(self.files.items())),
         }
-        return json.dumps(index, ensure_ascii=False, allow_nan=False).encode()
+        head = json.dumps(index, ensure_ascii=False, allow_nan=False)
+        yield (head[:-1] + ', "files": ').encode()
+        for piece in self.catalog.json_chunks():
+            yield piece.encode()
+        yield b"}"
 
 
 def save(
@@ -446,20 +484,26 @@ def save(
             swap). A directory that is not a tdgather dataset is refused, even with this.
         max_shard_bytes: start a new shard when a shard would grow past this; one filename
             never spans shards in one call.
-        metadata: extra JSON values stored in the index under ``"metadata"`` (with, for a
-            `tdgather.Gathered`, its duplicate counts).
+        metadata: your JSON values (numpy scalars are converted), stored in the index as
+            ``metadata["user"]``, beside tdgather's own keys (a `tdgather.Gathered`'s duplicate counts).
 
     Returns:
         The dataset directory.
+
+    Raises:
+        UnsupportedValueError: (a TypeError) ``frames`` is not gathered frames: the raw
+            ``{filename: (frame_idx, value)}`` dict, a `tdgather.FrameStore`, None (a rank other
+            than ``dst``), ...; gather them first: ``tdgather.save(tdgather.gather(predictions), path)``.
     """
+    _check_save_input(frames)
+    meta: dict[str, Any] = {USER_KEY: user_metadata(metadata)}
     stats = getattr(frames, "stats", None)  # a Gathered: its duplicate counts go in the index too
     if stats is not None:
-        dups = {"duplicates_dropped": stats.duplicates.dropped, "duplicates": stats.duplicates.to_json()}
-        metadata = {**dups, **(metadata or {})}
+        meta.update(duplicates_dropped=stats.duplicates.dropped, duplicates=stats.duplicates.to_json())
     writer = DatasetWriter(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
     try:
         writer.write(frames)
-        return writer.commit(metadata)
+        return writer.commit(meta)
     except BaseException:
         if not (writer.staging / INDEX_NAME).exists():  # the caller still holds the frames: leave nothing
             remove_ours(writer.staging)
@@ -467,55 +511,165 @@ def save(
         raise
 
 
-def _items(frames: Any) -> list[tuple]:
-    """``(name, layout, frame_idx, tensors, json, runs or None)`` per filename, sorted by name."""
+_SAVE_FIX = "gather them first: tdgather.save(tdgather.gather(predictions), path)"
+_SAVE_WANT = (
+    "expected gathered frames: a tdgather.Gathered (what tdgather.gather returns on rank dst) or a dict "
+    "{filename: tdgather.Frames}"
+)
+
+
+def _check_save_input(frames: Any) -> None:
+    """Refuse, before anything is created on disk, what `save` cannot write, with the fix.
+
+    The raw predictions are refused, not gathered here: `tdgather.gather` is where duplicates,
+    ``ragged=`` and the receiving rank are decided, and with torch.distributed initialised a
+    gather inside ``save`` would be a collective call only some ranks make.
+    """
+    from .store import FrameStore  # here: the store is not needed to write
+
+    if frames is None:
+        raise UnsupportedValueError(
+            f"save(): {_SAVE_WANT}, got None; tdgather.gather returns the frames on rank dst only (None on the "
+            "other ranks): call save() where the result is not None"
+        )
+    if isinstance(frames, FrameStore):
+        raise UnsupportedValueError(f"save(): {_SAVE_WANT}, got a tdgather.FrameStore (not gathered); {_SAVE_FIX}")
+    if not isinstance(frames, Mapping):
+        raise UnsupportedValueError(f"save(): {_SAVE_WANT}, got {type(frames).__name__}")
+    if getattr(frames, "groups", None) is not None or not isinstance(frames, dict):
+        return  # a Gathered, an opened Dataset: its values are Frames
+    for name, f in frames.items():
+        if not (hasattr(f, "frames") and hasattr(f, "frame_idx")):
+            raw = isinstance(f, tuple | list)
+            form = " (the {filename: (frame_idx, value)} form that tdgather.gather takes)" if raw else ""
+            raise UnsupportedValueError(
+                f"save(): {_SAVE_WANT}, got a dict whose filename {name!r:.200} holds {type(f).__name__}{form}; "
+                f"{_SAVE_FIX}"
+            )
+
+
+class _Item(NamedTuple):
+    """One filename's frames in one write: a shard's unit."""
+
+    name: str
+    layout: Layout
+    idx: torch.Tensor
+    tensors: list
+    json: list[list]
+    runs: tuple[int, int] | None  # (lo, hi) when idx is the run lo..hi
+    rank: Any  # the sender of every row (int, UNKNOWN if not known), or one per row (int32 tensor)
+
+
+def _items(frames: Any, ranks: Mapping[str, set[int]]) -> list[_Item]:
+    """One `_Item` per filename, sorted by name."""
     groups = getattr(frames, "groups", None)
     if groups is None:
         items = []
         for name in sorted(frames):
             f = frames[name]
             layout, tensors, json_values = flatten(f.frames, f.frame_idx.numel(), f"filename {name!r}")
-            items.append((name, layout, f.frame_idx, tensors, json_values, None))
+            items.append(_Item(name, layout, f.frame_idx, tensors, json_values, None, _one_rank(ranks.get(name))))
         return items
     items = []
     for g in groups:  # views of the group's buffers: nothing is copied or rebuilt per file
-        runs = _runs_per_file(g)
+        runs, senders = _runs_per_file(g), _senders_per_file(g, ranks)
         for i, name in enumerate(g.files):
             lo, hi = g.starts[i], g.starts[i] + g.counts[i]
-            items.append(
-                (name, g.layout, g.frame_idx[lo:hi], [t[lo:hi] for t in g.leaves], [v[lo:hi] for v in g.json], runs[i])
-            )
-    return sorted(items, key=lambda item: item[0])
+            tensors, json_values = [t[lo:hi] for t in g.leaves], [v[lo:hi] for v in g.json]
+            items.append(_Item(name, g.layout, g.frame_idx[lo:hi], tensors, json_values, runs[i], senders[i]))
+    return sorted(items, key=lambda item: item.name)
 
 
-def _runs_per_file(g: Any) -> list[torch.Tensor]:
-    """For each file of a group, its frame_idx as `_add_runs` keeps them, for all files at once."""
-    idx, n = g.frame_idx, g.frame_idx.numel()
-    if not n:
-        return [torch.empty(0, 2, dtype=torch.int64) for _ in g.files]
-    file_of = torch.repeat_interleave(torch.arange(len(g.files)), torch.tensor(g.counts, dtype=torch.int64))
-    head = torch.ones(n, dtype=torch.bool)
-    head[1:] = (file_of[1:] != file_of[:-1]) | (idx[1:] - idx[:-1] != 1)
-    heads = head.nonzero().flatten()
-    tails = torch.cat([heads[1:] - 1, torch.tensor([n - 1])])
-    runs = torch.stack([idx[heads], idx[tails]], dim=1)
-    return list(torch.split(runs, torch.bincount(file_of[heads], minlength=len(g.files)).tolist()))
+def _one_rank(ranks: Any) -> int:
+    return next(iter(ranks)) if ranks is not None and len(ranks) == 1 else UNKNOWN
 
 
-def _shard_tensors(shard: list, shard_file: str) -> tuple[dict, list, list]:
-    """Group a shard's filenames by layout; return group descriptions, tensor entries and segments."""
-    by_layout: dict[Layout, list] = {}
-    for item in shard:
-        by_layout.setdefault(item[1], []).append(item)
-    groups, entries, segment_of = {}, [], {}
-    for g, (layout, items) in enumerate(by_layout.items()):
+def _runs_per_file(g: Any) -> list[tuple[int, int] | None]:
+    """For each file of a group, ``(lo, hi)`` when its frame_idx (sorted, distinct) are the run lo..hi, else None."""
+    if not g.frame_idx.numel():
+        return [None] * len(g.files)
+    starts, counts = torch.tensor(g.starts, dtype=torch.int64), torch.tensor(g.counts, dtype=torch.int64)
+    lo, hi = g.frame_idx[starts], g.frame_idx[starts + counts - 1]
+    one_run = (hi - lo + 1 == counts) & (counts > 0)
+    return [(a, b) if ok else None for a, b, ok in zip(lo.tolist(), hi.tolist(), one_run.tolist(), strict=True)]
+
+
+def _senders_per_file(g: Any, ranks: Mapping[str, set[int]]) -> list[Any]:
+    """For each file of a group, the rank that sent all its rows, or (several) each row's, as `_Item.rank`.
+
+    The ranks given for a filename come first; else the group's ``rank`` of each row, where it has one.
+    """
+    rank = getattr(g, "rank", None)
+    if ranks or rank is None or not rank.numel():
+        return [_one_rank(ranks.get(name)) for name in g.files]
+    counts = torch.tensor(g.counts, dtype=torch.int64)
+    file_of = torch.repeat_interleave(torch.arange(len(g.files)), counts)
+    low = torch.full((len(g.files),), 1 << 30, dtype=torch.int32).scatter_reduce(0, file_of, rank, "amin")
+    high = torch.full((len(g.files),), -1, dtype=torch.int32).scatter_reduce(0, file_of, rank, "amax")
+    return [
+        a if a == b else rank[s : s + n]
+        for a, b, s, n in zip(low.tolist(), high.tolist(), g.starts, g.counts, strict=True)
+    ]
+
+
+def _take(item: _Item, rows: torch.Tensor) -> _Item:
+    """``item`` with only ``rows`` of its frames."""
+    rank = item.rank[rows] if isinstance(item.rank, torch.Tensor) else item.rank
+    json_values = [[values[k] for k in rows.tolist()] for values in item.json]
+    tensors = [t.index_select(0, rows) for t in item.tensors]
+    return _Item(item.name, item.layout, item.idx[rows], tensors, json_values, None, rank)
+
+
+def _ranks_in(rank: Any) -> list[int]:
+    """The known ranks an `_Item.rank` names."""
+    ranks = rank.unique().tolist() if isinstance(rank, torch.Tensor) else [rank]
+    return [r for r in ranks if r >= 0]
+
+
+def _cat(columns: list) -> Any:
+    return Ragged.cat(columns) if isinstance(columns[0], Ragged) else torch.cat(columns)
+
+
+_WINDOW_BYTES = 16 << 20  # rows of a shard's group read back at once to compare copies with
+
+
+def _windows(segs: list[tuple[dict, int, Any]], layout: Layout) -> Iterator[tuple[int, int, list]]:
+    """``segs`` (of one shard's group) by start, in windows of rows ``lo:hi`` of at most `_WINDOW_BYTES`."""
+    most = max(1, _WINDOW_BYTES // max(1, layout.frame_nbytes))
+    window: list = []
+    lo = hi = 0
+    for seg in sorted(segs, key=lambda s: s[0]["start"]):
+        start, end = seg[0]["start"], seg[0]["start"] + seg[0]["frames"]
+        if window and end - lo > most:
+            yield lo, hi, window
+            window = []
+        if not window:
+            lo = hi = start
+        window.append(seg)
+        hi = max(hi, end)
+    if window:
+        yield lo, hi, window
+
+
+def _shard_tensors(shard: list) -> tuple[dict, list, list]:
+    """Group a shard's filenames by layout; return group descriptions, tensor entries and each one's segment.
+
+    A segment is ``(group, start, frames)``, in the order of ``shard``.
+    """
+    by_layout: dict[Layout, list[int]] = {}  # each layout's items, by their place in the shard
+    for k, item in enumerate(shard):
+        by_layout.setdefault(item[1], []).append(k)
+    groups, entries, segments = {}, [], [None] * len(shard)
+    for g, (layout, places) in enumerate(by_layout.items()):
         key = f"g{g}"
         names = group_names(key, layout, int(SHARD_VERSION))
         groups[key] = layout.to_json()
+        items = [shard[k] for k in places]
         row = 0
-        for name, _, idx, *_ in items:
-            segment_of[name] = {"shard": shard_file, "group": key, "start": row, "frames": idx.numel()}
-            row += idx.numel()
+        for k, item in zip(places, items, strict=True):
+            n = item[2].numel()
+            segments[k] = (key, row, n)
+            row += n
         entries.append((names.frame_idx, torch.int64, (row,), [x[2] for x in items]))
         for j, (name, leaf) in enumerate(zip(names.leaves, layout.leaves, strict=True)):
             column = [x[3][j] for x in items]
@@ -535,7 +689,7 @@ def _shard_tensors(shard: list, shard_file: str) -> tuple[dict, list, list]:
             blob = torch.frombuffer(bytearray(b"".join(lines)), dtype=torch.uint8)
             entries.append((name, torch.uint8, (blob.numel(),), [blob]))
             entries.append((names.offsets(name), torch.int64, (row + 1,), [offsets]))
-    return groups, entries, [segment_of[item[0]] for item in shard]
+    return groups, entries, segments
 
 
 def _frame_bytes(layout: Layout, idx: torch.Tensor, tensors: list) -> int:
@@ -608,7 +762,9 @@ def _byte_views(pieces: list) -> list[memoryview]:
 
 
 _IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
-_BATCH_BYTES = 64 << 20
+# bytes gathered before one writev: views of buffers cost nothing to hold, but the index is
+# made as it is written, so its pieces are held only this long
+_BATCH_BYTES = 4 << 20
 
 
 def _write_all(fd: int, chunks: Iterable) -> None:

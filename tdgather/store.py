@@ -21,7 +21,9 @@ filenames get their ids.
 
 What the store keeps of a batch given to `FrameStore.add`:
 
-- CUDA tensors are copied to the host once, asynchronously, into pinned memory;
+- CUDA tensors are copied to the host once, asynchronously, into pinned memory; so are the
+  values of a ragged leaf on the GPU (a jagged nested tensor, or a list of per-image dicts
+  joined on the GPU), whose offsets (T + 1 int64) are read to the host when the batch is added;
 - CPU tensors are copied (``copy=True``, the default), because inference loops often
   reuse their output buffers, and ``inference_mode`` tensors carry no version counter
   that could tell; with ``copy=False`` they are kept by reference, and the caller must
@@ -369,6 +371,8 @@ class FrameStore:
             if t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() + 4096:
                 return t.clone(memory_format=torch.contiguous_format)  # a view of a larger storage
             return t
+        if t.device.type != "cuda":  # another accelerator: one synchronous copy
+            return t.to("cpu", memory_format=torch.contiguous_format)
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         event = torch.cuda.Event()
@@ -593,7 +597,10 @@ def _check_filename(name: Any) -> None:
 def _join(tensors: list, how: str) -> Any:
     """Frames as one batch, as `_Bucket` ``how`` says."""
     if tensors and isinstance(tensors[0], Ragged):
-        return Ragged.cat(tensors)
+        try:
+            return Ragged.cat(tensors)  # on CUDA: the values joined there, then one copy to the host
+        except RuntimeError:  # frames on several devices: their rows to the host first
+            return Ragged.cat([Ragged.from_lengths(v.cpu(), n) for v, n in (r.span() for r in tensors)])
     join = {"stack": torch.stack, "cat": torch.cat, "ragged": Ragged.from_list}[how]
     try:
         return join(tensors)  # on CUDA: one stack there, then one copy to the host

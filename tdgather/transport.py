@@ -55,6 +55,7 @@ __all__ = [
     "heartbeat_interval",
     "needs_side_group",
     "peer_error",
+    "resolve_dst",
     "transport_group",
 ]
 
@@ -100,6 +101,49 @@ def transport_group(group: Any = None) -> Any:
     if ranks not in _SIDE_GROUPS:
         _SIDE_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
     return _SIDE_GROUPS[ranks]
+
+
+def resolve_dst(group: Any, dst: int | None, group_dst: int | None) -> int:
+    """The rank of ``group`` that receives, from torch's pair of arguments; every rank computes the same.
+
+    As in ``torch.distributed.gather``: ``dst`` is a global rank, ``group_dst`` a rank within
+    ``group``; at most one may be given, and with neither the receiver is global rank 0. Without
+    a process group, 0 (this process).
+
+    Raises:
+        ValueError: both were given, or the rank named is not in the group.
+    """
+    if dst is not None and group_dst is not None:
+        raise ValueError(
+            f"dst={dst!r} and group_dst={group_dst!r}: pass one of them, as in torch.distributed: dst is a "
+            "global rank, group_dst a rank within group="
+        )
+    for name, value in (("dst", dst), ("group_dst", group_dst)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name}: expected an int (a rank), got {value!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0  # a local call: this process receives
+    group = group if group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    if group_dst is not None:
+        if not 0 <= group_dst < len(ranks):
+            raise ValueError(
+                f"group_dst: expected a rank within the group, 0..{len(ranks) - 1} (global ranks {ranks}), "
+                f"got {group_dst}"
+            )
+        return group_dst
+    dst = 0 if dst is None else dst
+    if dst not in ranks:
+        default = " (the default, as in torch.distributed)" if dst == 0 else ""
+        raise ValueError(
+            f"dst: global rank {dst}{default} is not in the group, whose global ranks are {_describe_ranks(ranks)}; "
+            f"pass dst= one of those, or group_dst= a rank within the group (0..{len(ranks) - 1})"
+        )
+    return dist.get_group_rank(group, dst)
+
+
+def _describe_ranks(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 16 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
 
 
 def heartbeat_interval(timeout: timedelta) -> float:

@@ -1,9 +1,12 @@
 """Other views of a saved dataset: one item per frame, for a DataLoader or Hugging Face ``datasets``.
 
 `FrameDataset` is a map-style ``torch.utils.data.Dataset`` over every frame of every filename
-(filenames sorted, frames by ``frame_idx``). It reads each segment's ``frame_idx`` once, at
-construction, and then each item reads only its own frame's rows. It holds no open file between
-items, so DataLoader workers (fork or spawn) can share it.
+(filenames sorted, frames by ``frame_idx``). It reads each group's ``frame_idx`` column once, at
+construction (vectorised: no per-filename work beyond listing its segments), and then each item
+reads only its own frame's rows, through the `tdgather.Dataset`'s open shards. Those are checked
+like any read: a shard rewritten by another run is refused, never read under the old names.
+DataLoader workers can share it: forked, they keep the shards already open; pickled (spawn),
+they open and check their own.
 
 `to_hf` builds a ``datasets.Dataset`` with one row per frame: ``filename``, ``frame_idx`` and
 one typed column per leaf. Everything read from disk goes through `tdgather.reader`'s checks.
@@ -24,6 +27,7 @@ import torch
 import torch.utils.data
 
 from ._dtypes import dtype_name
+from ._index_check import key
 from ._names import escape_key
 from .errors import DatasetError, TdgatherError
 from .frames import Layout, flatten, rebuild_one
@@ -61,9 +65,9 @@ class FrameDataset(torch.utils.data.Dataset):
     gives: a tensor, or a TensorDict / tensorclass with batch size ``[]``, where a ragged leaf is
     that frame's ``[N_k, ...]`` rows. Order: filenames sorted, then frames by ``frame_idx``.
 
-    Construction reads each segment's ``frame_idx`` (nothing else); an item reads only its
-    frame's rows (opening its filename's shards' headers, never their other rows). No file
-    stays open between items, so the object can be forked or pickled into DataLoader workers.
+    Construction reads each group's ``frame_idx`` (nothing else); an item reads only its
+    frame's rows (through the dataset's open shards, never their other rows). It can be forked
+    or pickled into DataLoader workers (a pickled copy opens its shards again, and checks them).
 
     Attributes:
         dataset: the `tdgather.Dataset`.
@@ -73,17 +77,9 @@ class FrameDataset(torch.utils.data.Dataset):
     def __init__(self, dataset: Dataset) -> None:
         self.dataset = dataset
         self.filenames: list[str] = sorted(dataset)
-        starts, segments, rows, frame_idx = [0], [], [], []
-        for name in self.filenames:
-            seg, row, idx = _frame_map(dataset, name)
-            segments.append(seg)
-            rows.append(row)
-            frame_idx.append(idx)
-            starts.append(starts[-1] + idx.numel())
-        self._starts = torch.tensor(starts, dtype=torch.int64)
-        self._segment = torch.cat(segments) if segments else torch.zeros(0, dtype=torch.int32)
-        self._row = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
-        self._frame_idx = torch.cat(frame_idx) if frame_idx else torch.zeros(0, dtype=torch.int64)
+        file_of, self._segment, self._row, self._frame_idx = _frame_map(dataset, self.filenames)
+        counts = torch.bincount(file_of, minlength=len(self.filenames))
+        self._starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -108,10 +104,11 @@ class FrameDataset(torch.utils.data.Dataset):
         i = self._position(i)
         segment, row = int(self._segment[i]), int(self._row[i])
         layout = self.dataset.layout(name)
-        for f, c, group, lo, hi in self.dataset._segments(name, only=segment):
+        for shard, group, lo, hi in self.dataset._segments(name, only=segment):
+            c = shard.c
             if not lo <= row < hi:
                 raise c.fail(f"{group} rows", f"row {row} inside {lo}..{hi}", "a segment changed since it was read")
-            idx, tensors, json_values = _rows(f, c, group, layout, row, row + 1)
+            idx, tensors, json_values = _rows(shard.f, c, shard.names(group, layout), layout, row, row + 1)
             if idx.tolist() != [expected]:
                 raise c.fail(f"{group} frame_idx row {row}", f"[{expected}] (as read at construction)", idx.tolist())
             break
@@ -121,36 +118,65 @@ class FrameDataset(torch.utils.data.Dataset):
         return {"filename": name, "frame_idx": expected, "frames": value}
 
 
-def _frame_map(dataset: Dataset, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One filename's frames in ``frame_idx`` order: their segment, their row in it, their ``frame_idx``.
+def _frame_map(dataset: Dataset, filenames: list[str]) -> tuple[torch.Tensor, ...]:
+    """Every frame of ``filenames``, by filename then ``frame_idx``: its filename's position, segment, row, frame_idx.
+
+    Each group's ``frame_idx`` column is read once; the rest is vectorised over all frames.
 
     Raises:
-        DatasetError: a segment with fewer rows than the index gives, out of order, or a frame stored twice.
+        DatasetError: a segment out of order, or a frame stored twice.
     """
-    layout = _frame_idx_only(dataset.layout(name))
-    segments, rows, idx = [], [], []
-    for k, (f, c, group, lo, hi) in enumerate(dataset._segments(name)):
-        got = _rows(f, c, group, layout, lo, hi)[0]
-        if got.numel() != hi - lo:
-            raise c.fail(f"{group} frame_idx", f"{hi - lo} rows from {lo}", got.numel())
-        if got.numel() > 1 and not bool((got[1:] > got[:-1]).all()):  # as tdgather writes a segment
-            at = int((got[1:] <= got[:-1]).nonzero()[0]) + 1
-            expected = f"strictly increasing indices, each frame once (rows {lo + at - 1} and {lo + at})"
-            raise c.fail(f"files[{name!r}] frame_idx", expected, got[at - 1 : at + 1].tolist())
-        idx.append(got)
-        rows.append(torch.arange(lo, hi, dtype=torch.int64))
-        segments.append(torch.full((hi - lo,), k, dtype=torch.int32))
-    idx_all = torch.cat(idx).to(torch.int64)
-    order = torch.argsort(idx_all, stable=True)
-    idx_all = idx_all[order]
-    if idx_all.numel() > 1 and not bool((idx_all[1:] > idx_all[:-1]).all()):
-        at = int((idx_all[1:] <= idx_all[:-1]).nonzero()[0])
+    column_of: dict[tuple[str, str], int] = {}  # (shard, group) -> its column's number
+    ends: list[int] = []  # per column, the rows its segments reach
+    seg_file, seg_number, seg_column, seg_start, seg_frames = [], [], [], [], []
+    for position, name in enumerate(filenames):
+        for k, segment in enumerate(dataset.index["files"][name]["segments"]):
+            where = segment["shard"], segment["group"]
+            column = column_of.setdefault(where, len(column_of))
+            if column == len(ends):
+                ends.append(0)
+            ends[column] = max(ends[column], segment["start"] + segment["frames"])
+            seg_file.append(position)
+            seg_number.append(k)
+            seg_column.append(column)
+            seg_start.append(segment["start"])
+            seg_frames.append(segment["frames"])
+    if not seg_file:
+        return tuple(torch.zeros(0, dtype=dt) for dt in (torch.int64, torch.int32, torch.int64, torch.int64))
+    columns, shards = [], []
+    for (shard_name, group), end in zip(column_of, ends, strict=True):
+        shard = dataset.shard(shard_name, f"shards[{shard_name!r}]")
+        names = shard.names(group, _frame_idx_only(dataset._plan.groups[shard_name, group]))
+        columns.append(shard.f.get_slice(names.frame_idx)[:end])  # the header check made sure it has them
+        shards.append(shard)
+    counts = torch.tensor(seg_frames, dtype=torch.int64)
+    seg_of = torch.repeat_interleave(torch.arange(len(seg_frames)), counts)  # each frame's segment
+    first = counts.cumsum(0) - counts
+    row = torch.tensor(seg_start, dtype=torch.int64)[seg_of] + torch.arange(seg_of.numel()) - first[seg_of]
+    base = torch.tensor([0] + [c.numel() for c in columns[:-1]], dtype=torch.int64).cumsum(0)
+    idx = torch.cat(columns).to(torch.int64)[base[torch.tensor(seg_column)[seg_of]] + row]
+    bad = ((seg_of[1:] == seg_of[:-1]) & (idx[1:] <= idx[:-1])).nonzero()
+    if bad.numel():  # as tdgather writes a segment: each frame once, in order
+        at = int(bad[0]) + 1
+        segment = int(seg_of[at])
+        expected = f"strictly increasing indices, each frame once (rows {int(row[at - 1])} and {int(row[at])})"
+        raise shards[seg_column[segment]].c.fail(
+            f"files{key(filenames[seg_file[segment]])} frame_idx", expected, idx[at - 1 : at + 1].tolist()
+        )
+    file_of = torch.tensor(seg_file, dtype=torch.int64)[seg_of]
+    order = torch.argsort(idx, stable=True)
+    order = order[torch.argsort(file_of[order], stable=True)]  # by filename, then frame_idx
+    file_of, idx = file_of[order], idx[order]
+    twice = ((file_of[1:] == file_of[:-1]) & (idx[1:] == idx[:-1])).nonzero()
+    if twice.numel():
+        at = int(twice[0])
         raise DatasetError(
             str(dataset.path),
-            f"files[{name!r}] frame_idx",
-            f"expected each frame once, got frame {int(idx_all[at])} twice",
+            f"files{key(filenames[int(file_of[at])])} frame_idx",
+            f"expected each frame once, got frame {int(idx[at])} twice",
         )
-    return torch.cat(segments)[order], torch.cat(rows)[order], idx_all
+    segment_number = torch.tensor(seg_number, dtype=torch.int32)[seg_of]
+    return file_of, segment_number[order], row[order], idx
 
 
 def collate_frames(items: Sequence[dict[str, Any]] | dict[str, Any]) -> dict[str, Any]:
@@ -230,8 +256,12 @@ def _columns(dataset: Dataset, names: Sequence[str]) -> dict[str, _Column]:
             one name differ in dtype, shape or raggedness.
     """
     out: dict[str, _Column] = {}
+    seen_layouts = set()  # filenames of one layout have the same columns: the first of each stands for all
     for name in names:
         layout = dataset.layout(name)
+        if layout in seen_layouts:
+            continue
+        seen_layouts.add(layout)
         found = [_Column(x.path, x.dtype, x.shape, x.ragged, name) for x in layout.leaves]
         found += [_Column(p, None, (), False, name) for p in layout.nontensor]
         for col in found:
@@ -301,8 +331,8 @@ def _json_values(dataset: Dataset, names: Sequence[str], columns: dict[str, _Col
         if not layout.nontensor:
             continue
         only = _json_only(layout)
-        for f, c, group, lo, hi in dataset._segments(name):
-            _, _, json_values = _rows(f, c, group, only, lo, hi)
+        for shard, group, lo, hi in dataset._segments(name):
+            _, _, json_values = _rows(shard.f, shard.c, shard.names(group, only), only, lo, hi)
             for path, values in zip(layout.nontensor, json_values, strict=True):
                 out[column_label(path)].extend(values)
     return out

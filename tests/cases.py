@@ -526,7 +526,7 @@ def case_writer_per_node(out: str, ranks_per_node: int) -> dict:
     node_group, _ = dist.new_subgroups(group_size=ranks_per_node, backend="gloo")
     node = rank // ranks_per_node
     p = predictions("uneven", rank, world)
-    with tdgather.Collector(f"{out}/node-{node}", group=node_group, timeout=60, progress=False) as col:
+    with tdgather.Collector(f"{out}/node-{node}", group=node_group, group_dst=0, timeout=60, progress=False) as col:
         col.update(p)
     return {"node": node, "wrote": col.summary is not None}
 
@@ -616,3 +616,40 @@ def plain_read(out: Path) -> dict:
             rows += [(int(i), [bits(v[r]) for v in values]) for r, i in enumerate(idx)]
         result[name] = sorted(rows, key=lambda r: r[0])
     return result
+
+
+def case_conflict_across_spills(out: str) -> dict:
+    """Rank 2 sends x.jpg frame 0, which is written; then rank 1 another value of it, and rank 0 frame 5 (``exact``)."""
+    import time
+
+    rank = dist.get_rank()
+    try:
+        with tdgather.Collector(out, duplicates="exact", memory_budget=64 << 10, timeout=60, progress=False) as col:
+            col.add([f"own_{rank}.jpg"], [0], torch.full((1, 4), float(rank)))
+            if rank == 2:
+                col.add(["x.jpg"], [0], torch.zeros(1, 4))
+                col.add([f"pad_{i}.jpg" for i in range(4000)], list(range(4000)), torch.zeros(4000, 4))
+            if rank < 2:  # only once x.jpg is in a shard: the copies meet across spills
+                deadline = time.monotonic() + 50
+                while not list(Path(out + ".partial").glob("shard-*.safetensors")) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if rank == 1:
+                    col.add(["x.jpg"], [0], torch.ones(1, 4))
+                else:  # another frame of x.jpg in the same spill, from another rank: not named
+                    col.add(["x.jpg"], [5], torch.zeros(1, 4))
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": None, "message": ""}
+
+
+def case_gather_conflict_names_each_copy() -> dict | None:
+    """Ranks 0 and 1 send the same x.jpg frame 0, rank 2 another value of it."""
+    rank = dist.get_rank()
+    preds = {"x.jpg": (0, torch.full((3,), 1.0 if rank == 2 else 0.0)), f"own_{rank}.jpg": (0, torch.zeros(3))}
+    try:
+        tdgather.gather(preds, duplicates="exact")
+    except tdgather.DuplicateFrameError as e:
+        return {"message": str(e)}
+    except Exception as e:  # the other ranks learn of it from rank 0
+        return {"other": type(e).__name__}
+    return None

@@ -30,3 +30,12 @@ def kill_later(pid_file: str, after: float) -> None:
     time.sleep(after)
     with contextlib.suppress(OSError, ValueError):
         os.kill(int(Path(pid_file).read_text()), signal.SIGKILL)
+
+
+def finish_with(proc: subprocess.Popen, timeout: float) -> str:
+    """Wait for a command that is expected to fail; its output (killed, and the test failed, past the timeout)."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"did not end within {timeout:g} s:\n" + proc.communicate()[0][-6000:])

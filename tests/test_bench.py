@@ -131,3 +131,20 @@ def _wrong(got: dict, expected: dict) -> int:
         and all(got[k][j].dtype == v.dtype and torch.equal(got[k][j], v) for j, v in expected[k].items())
     ]
     return len(got.keys() | expected.keys()) - len(same)
+
+
+@pytest.mark.world
+def test_seed_smoke(tmp_path):
+    """The seed scenario, tiny, on the CPU: every method runs and gives every frame of the job (no timings)."""
+    from benchmarks.seed import METHODS, QUICK
+    from benchmarks.seed import main as seed
+
+    assert seed(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    [report] = tmp_path.glob("*-seed-quick.md")
+    text = report.read_text()
+    rows = [line.strip("| ").split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    assert rows[0][0] == "method" and rows[0][-1] == "frames"
+    frames = {row[0]: row[-1] for row in rows[1:]}
+    assert list(frames) == METHODS
+    assert set(frames.values()) == {str(QUICK["videos"] * QUICK["frames"])}  # 15 frames, 1 padding repeat dropped
+    assert "torch 2." in text and "command: `python -m benchmarks.seed --quick --device cpu" in text

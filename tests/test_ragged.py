@@ -224,16 +224,54 @@ def test_views_and_non_contiguous_batches_are_stored_as_their_values():
     assert store.nbytes == sum(r.numel() for r in rows) * 4 + int(nt.lengths().sum()) * 4
 
 
-def test_a_cuda_ragged_batch_is_copied_to_the_host_once():
+def test_a_ragged_leaf_off_the_cpu_stays_on_its_device_with_its_offsets():
+    # "meta" stands for any device but the CPU (a GPU): torch wants a jagged tensor's offsets on its values'
+    # device, while a Ragged keeps its offsets on the CPU (the store reads them); before, to_nested() mixed them
+    r = Ragged.from_lengths(torch.empty(5, 4, device="meta"), torch.tensor([3, 0, 2]))
+    nt = r.to_nested()
+    assert (nt.device.type, nt.values().device.type, nt.offsets().device.type) == ("meta", "meta", "meta")
+    assert nt.shape[0] == 3 and nt.shape[2] == 4 and r.offsets.device.type == "cpu"
+    assert r[1:].to_nested().offsets().device.type == "meta"  # a row slice too
+    picked = r.index_select(0, torch.tensor([2, 0]))  # the row index goes to the values' device
+    assert picked.values.device.type == "meta" and picked.values.shape == (5, 4) and picked.lengths.tolist() == [2, 3]
+
+
+def test_a_ragged_column_from_lists_of_per_image_dicts_is_one_cat_and_reads_back():
+    # the torchvision form: a list of per-image dicts, boxes [N_i, 4]; on a GPU the same code joins them there
+    images = [{"boxes": torch.rand(n, 4), "labels": torch.arange(n)} for n in (3, 0, 2)]
+    store = tdgather.FrameStore()
+    store.add(["v"] * 3, torch.arange(3), images)
+    [(layout, [chunk])] = store.groups()
+    boxes = chunk.tensors[[leaf.path for leaf in layout.leaves].index(("boxes",))]
+    assert boxes.lengths.tolist() == [3, 0, 2] and boxes.values.shape == (5, 4)
+    f = tdgather.gather(store)["v"]
+    assert torch.equal(f.frames["boxes"].values(), torch.cat([i["boxes"] for i in images]))
+    assert f.frames["labels"].offsets().tolist() == [0, 3, 3, 5]
+
+
+@pytest.mark.parametrize("form", ["nested", "list"])
+def test_a_cuda_ragged_batch_is_copied_to_the_host_once(form):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     lengths = torch.tensor([3, 0, 2])
-    nt = Ragged.from_lengths(torch.rand(5, 4, device="cuda"), lengths).to_nested()
+    values = torch.rand(5, 4, device="cuda")
+    nt = Ragged.from_lengths(values, lengths).to_nested()
+    assert nt.offsets().device == values.device  # as torch requires
+    feat = torch.rand(3, 8, device="cuda")
+    if form == "nested":
+        frames = {"boxes": nt, "feat": feat}
+    else:  # torchvision's list of per-image dicts, on the GPU
+        frames = [{"boxes": b, "feat": x} for b, x in zip(nt.unbind(), feat, strict=True)]
     store = tdgather.FrameStore()
-    store.add(["v"] * 3, torch.arange(3, device="cuda"), {"boxes": nt, "feat": torch.rand(3, 8, device="cuda")})
+    store.add(["v"] * 3, torch.arange(3, device="cuda"), frames)
+    [(layout, [chunk])] = store.groups()
+    boxes = chunk.tensors[[leaf.path for leaf in layout.leaves].index(("boxes",))]
+    assert boxes.values.device.type == "cpu" and boxes.values.is_pinned()  # one pinned copy of the rows
+    assert boxes.offsets.device.type == "cpu" and boxes.lengths.tolist() == [3, 0, 2]
     f = tdgather.gather(store)["v"]
     assert f.frames["boxes"].values().device.type == "cpu"
-    assert torch.equal(f.frames["boxes"].values(), nt.values().cpu())
+    assert torch.equal(f.frames["boxes"].values(), values.cpu())
+    assert torch.equal(f.frames["feat"], feat.cpu())
 
 
 # ---- hostile input: from a peer, and from disk --------------------------------------------------

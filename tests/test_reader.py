@@ -134,7 +134,7 @@ def test_hostile_filenames_json_leaves_and_user_metadata_roundtrip(tmp_path):
     meta = {"model": "m", "deep": {"a": [1, {"b": None}]}, "total": "user key, not ours"}
     out = save(tmp_path, result, max_shard_bytes=64, metadata=meta)
     ds = tdgather.open(out)
-    assert sorted(ds) == sorted(p) and ds.metadata["deep"] == meta["deep"]
+    assert sorted(ds) == sorted(p) and ds.metadata["user"] == meta  # "total" is the user's, beside ours
     for name, f in result.items():
         got = ds[name]
         assert torch.equal(got.frame_idx, f.frame_idx)
@@ -973,3 +973,96 @@ def test_an_unknown_shard_version_is_refused(tmp_path):
     rewrite_shard(out / SHARD, metadata=lambda m: m.update(version="3"))
     with pytest.raises(DatasetError, match=r"__metadata__.version: expected '1' or '2', got '3'"):
         read_all(out)
+
+
+# ---- a handle and a rewrite of its path: the rows it opened, or a DatasetError; never another run's ----
+
+RUN_NAMES = [f"f{i:02d}.jpg" for i in range(12)]
+PER_SHARD = 3  # filenames a shard holds (max_shard_bytes below): 4 shards, named alike in every run
+
+
+def run_frames(tag: int):
+    """Every frame's values say its run (``tag``), filename and frame: another run's rows never pass for ours."""
+    return tdgather.gather(
+        {n: [(j, torch.full((2,), tag * 1000.0 + i * 10 + j)) for j in range(3)] for i, n in enumerate(RUN_NAMES)}
+    )
+
+
+def expected_rows(tag: int, name: str) -> list:
+    i = RUN_NAMES.index(name)
+    return [[tag * 1000.0 + i * 10 + j] * 2 for j in range(3)]
+
+
+SHARD_BYTES = PER_SHARD * 3 * (8 + 8)  # 3 frames of float32[2] and their int64 frame_idx, per filename
+
+
+def rewrite(path: Path, how: str, tag: int) -> None:
+    """Replace the dataset at ``path`` with run ``tag``'s, as a user would: save or a Collector, overwrite=True."""
+    if how == "save":
+        tdgather.save(run_frames(tag), path, overwrite=True, max_shard_bytes=SHARD_BYTES)
+        return
+    with tdgather.Collector(path, overwrite=True, max_shard_bytes=SHARD_BYTES, progress=False) as col:
+        for name in RUN_NAMES:
+            col.add([name] * 3, [0, 1, 2], torch.tensor(expected_rows(tag, name)))
+
+
+def old_or_refused(ds, name: str) -> str:
+    """``"old"`` when ``ds[name]`` gives run 1's rows, ``"refused"`` for a DatasetError naming the changed shard."""
+    try:
+        got = ds[name]
+    except DatasetError as e:
+        assert re.search(r"shard-0000\d\.safetensors: __metadata__\.run: expected run '[0-9a-f]+', the index's", str(e))
+        assert "rewritten (overwrite=True) since it was opened" in str(e)
+        return "refused"
+    assert got.frame_idx.tolist() == [0, 1, 2] and got.frames.tolist() == expected_rows(1, name), name
+    return "old"
+
+
+@pytest.mark.parametrize("how", ["save", "collector"])
+def test_a_handle_never_reads_another_runs_rows_after_a_rewrite(tmp_path, how):
+    path = tdgather.save(run_frames(1), tmp_path / "ds", max_shard_bytes=SHARD_BYTES)
+    shards = sorted(p.name for p in path.glob("shard-*"))
+    assert len(shards) == 4
+    cached = tdgather.open(path)
+    read_before = RUN_NAMES[: 2 * PER_SHARD]  # the first two shards opened before the rewrite
+    assert [old_or_refused(cached, n) for n in read_before] == ["old"] * len(read_before)
+    lazy = tdgather.open(path)  # nothing read before the rewrite
+    rewrite(path, how, 2)
+    assert sorted(p.name for p in path.glob("shard-*")) == shards  # the same file names, other rows
+    assert tdgather.open(path)["f00.jpg"].frames.tolist() == expected_rows(2, "f00.jpg")
+    got = {n: old_or_refused(cached, n) for n in RUN_NAMES}
+    assert got == {n: "old" if n in read_before else "refused" for n in RUN_NAMES}
+    assert {n: old_or_refused(lazy, n) for n in RUN_NAMES} == dict.fromkeys(RUN_NAMES, "refused")
+    with pytest.raises(DatasetError, match=r"shard-00000.safetensors: __metadata__.run"):
+        lazy.verify()
+
+
+def test_a_shard_closed_to_bound_open_files_is_checked_again_when_reopened(tmp_path, monkeypatch):
+    monkeypatch.setattr(tdgather.reader, "OPEN_SHARDS", 1)
+    path = tdgather.save(run_frames(1), tmp_path / "ds", max_shard_bytes=SHARD_BYTES)
+    ds = tdgather.open(path)
+    assert old_or_refused(ds, "f00.jpg") == old_or_refused(ds, "f03.jpg") == "old"  # shard 1 open, shard 0 closed
+    rewrite(path, "save", 2)
+    assert old_or_refused(ds, "f04.jpg") == "old"  # still open: still run 1's
+    assert old_or_refused(ds, "f00.jpg") == "refused"  # reopened: checked again
+    assert old_or_refused(ds, "f00.jpg") == "refused"  # and again: a refused shard is never kept open
+    assert old_or_refused(ds, "f05.jpg") == "old"  # so shard 1 stayed open
+
+
+def test_an_older_index_refuses_a_shard_of_a_run(tmp_path):
+    """A version 1 dataset's handle, rewritten by this tdgather: its shards now carry a run, the index none."""
+    path = shutil.copytree(V1, tmp_path / "v1")
+    ds = tdgather.open(path)
+    tdgather.save(tdgather.gather({"clip.mp4": [(j, torch.ones(2)) for j in range(3)]}), path, overwrite=True)
+    with pytest.raises(DatasetError, match=r"shard-00000.safetensors: __metadata__.run: expected no run, as in an ind"):
+        ds["plain.mp4"]
+
+
+def test_an_index_of_version_3_must_name_its_run(tmp_path):
+    out = save(tmp_path)
+    edit(out, lambda index: index["metadata"].pop("run"))
+    with pytest.raises(DatasetError, match=r"tdgather.index.json: metadata.run: expected a string, got None"):
+        tdgather.open(out)
+    edit(out, lambda index: index["metadata"].update(run="another"))
+    with pytest.raises(DatasetError, match=r"shard-00000.safetensors: __metadata__.run: expected run 'another'"):
+        tdgather.open(out)["a"]

@@ -260,7 +260,7 @@ def test_incremental_conflicts_raise_and_abort_keeps_committed_shards(tmp_path):
     w.write(tdgather.gather({"a": (0, torch.zeros(2))}), {"a": {0}})
     with pytest.raises(
         tdgather.DuplicateFrameError,
-        match=r"'a', frame_idx 0: rank\(s\) \[0\] and later rank\(s\) \[2\] sent values that differ "
+        match=r"'a', frame_idx 0: rank 0 and later rank 2 sent values that differ "
         r"\(the first copy was written to shard-00000.safetensors before this one arrived\) \(largest absolute "
         r"difference 1\), and the duplicates policy is 'exact'",
     ):

@@ -1,6 +1,7 @@
 """`tdgather.views`: one item per frame (`FrameDataset`, a DataLoader) and Hugging Face datasets (`to_hf`)."""
 
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -103,13 +104,52 @@ def test_per_frame_in_dataloader_workers(saved):
     _same(copy[5]["frames"], want[5][2])
 
 
-def test_per_frame_refuses_a_dataset_replaced_under_it(tmp_path):
+def test_per_frame_keeps_reading_what_it_opened_when_the_dataset_is_replaced(tmp_path):
     path = tdgather.save(tdgather.gather({"a": [(j, torch.full((2,), j)) for j in range(4)]}), tmp_path / "ds")
     fd = tdgather.open(path).per_frame()
-    assert fd[1]["frames"].tolist() == [1, 1]
-    tdgather.save(tdgather.gather({"a": [(j + 10, torch.full((2,), j)) for j in range(4)]}), path, overwrite=True)
-    with pytest.raises(tdgather.DatasetError, match=r"expected \[1\] \(as read at construction\), got \[11\]"):
-        fd[1]
+    tdgather.save(tdgather.gather({"a": [(j + 10, torch.full((2,), j + 5)) for j in range(4)]}), path, overwrite=True)
+    assert [(fd[i]["frame_idx"], fd[i]["frames"].tolist()) for i in range(4)] == [(j, [j, j]) for j in range(4)]
+    copy = pickle.loads(pickle.dumps(fd))  # a spawned worker's copy opens the shard again: the other run's
+    with pytest.raises(tdgather.DatasetError, match=r"shard-00000.safetensors: __metadata__.run: expected run"):
+        copy[1]
+
+
+def _items(fd) -> list:
+    """Every item as ``(filename, frame_idx, values)``, or ``"refused"`` for a DatasetError naming a shard's run."""
+    out = []
+    for i in range(len(fd)):
+        try:
+            item = fd[i]
+        except tdgather.DatasetError as e:
+            assert re.search(r"shard-0000\d\.safetensors: __metadata__\.run: expected run '[0-9a-f]+'", str(e))
+            out.append("refused")
+            continue
+        out.append((item["filename"], item["frame_idx"], item["frames"].tolist()))
+    return out
+
+
+def test_per_frame_items_never_give_another_runs_rows(tmp_path):
+    """Built before a rewrite, in process, forked into workers or pickled: the first run's rows, or refused."""
+    names = [f"f{i}" for i in range(6)]
+
+    def run(tag: int):
+        frames = {n: [(j, torch.full((2,), float(tag + i * 10 + j))) for j in range(2)] for i, n in enumerate(names)}
+        return tdgather.gather(frames)
+
+    path = tdgather.save(run(1000), tmp_path / "ds", max_shard_bytes=2 * 2 * 16)  # two filenames a shard
+    assert len(list(path.glob("shard-*"))) == 3
+    old = [(n, j, [1000 + i * 10 + j] * 2) for i, n in enumerate(names) for j in range(2)]
+    fd = tdgather.open(path).per_frame()
+    lazy = pickle.loads(pickle.dumps(fd))  # no shard open yet
+    tdgather.save(run(2000), path, overwrite=True, max_shard_bytes=2 * 2 * 16)
+    assert _items(fd) == old
+    loader = DataLoader(fd, batch_size=None, num_workers=2, collate_fn=collate_frames)  # fork: the open shards
+    got = [(x["filename"], x["frame_idx"], x["frames"].tolist()) for x in loader]
+    assert got == old
+    assert _items(lazy) == ["refused"] * len(old)
+    assert _items(tdgather.open(path).per_frame()) == [
+        (n, j, [2000 + i * 10 + j] * 2) for i, n in enumerate(names) for j in range(2)
+    ]
 
 
 def test_frame_ranges():
@@ -129,6 +169,7 @@ def _as_tensor(value, like: torch.Tensor) -> torch.Tensor:
 
 
 def test_to_hf_every_row_and_dtype(saved, tmp_path):
+    pytest.importorskip("datasets")
     ds = tdgather.open(saved)
     hf = ds.to_hf(cache_dir=tmp_path / "cache")
     assert (tmp_path / "cache").exists() and len(hf) == 12
@@ -155,6 +196,7 @@ def test_to_hf_every_row_and_dtype(saved, tmp_path):
 
 
 def test_to_hf_other_dtypes_and_json_types(tmp_path):
+    pytest.importorskip("datasets")
     frames = {
         "a": [
             (
@@ -187,6 +229,7 @@ def test_to_hf_other_dtypes_and_json_types(tmp_path):
 
 
 def test_to_hf_refuses_columns_that_disagree(tmp_path):
+    pytest.importorskip("datasets")
     frames = {"a": (0, {"x": torch.zeros(2)}), "b": (0, {"x": torch.zeros(3)})}
     ds = tdgather.open(tdgather.save(tdgather.gather(frames), tmp_path / "ds"))
     with pytest.raises(ExportError, match=r"column 'x' is float32\[2\] in 'a' but float32\[3\] in 'b'"):
@@ -199,6 +242,7 @@ def test_to_hf_refuses_columns_that_disagree(tmp_path):
 
 def test_keys_that_join_alike_get_columns_of_their_own(tmp_path):
     """{"a.b": x} and {"a": {"b": y}} (and a key "") are separate leaves: each keeps its column and values."""
+    pytest.importorskip("datasets")
     value = {"a.b": torch.zeros(2), "a": {"b": torch.ones(2)}, "": torch.full((2,), 7.0), "frames": torch.ones(1)}
     ds = tdgather.open(tdgather.save(tdgather.gather({"v": (0, value)}), tmp_path / "ds"))
     hf = ds.to_hf().with_format("torch")
@@ -226,6 +270,7 @@ def test_what_the_reader_refuses_the_other_views_refuse_too(saved, tmp_path):
         ds["a.mp4"]
     with pytest.raises(tdgather.DatasetError, match="strictly increasing"):
         ds.per_frame()
+    pytest.importorskip("datasets")
     with pytest.raises(tdgather.DatasetError, match="strictly increasing"):  # not datasets' wrapper error
         ds.to_hf(filenames=["a.mp4"])
 

@@ -8,7 +8,6 @@ index's totals and duplicate counts.
 import json
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -165,8 +164,7 @@ def test_one_filename_with_two_layouts_in_two_writers_is_named(tmp_path):
 def test_rank_dst_must_be_a_writer(tmp_path):
     out = run_local_world(wc.case_writers_reporting, WORLD, str(tmp_path / "ds"), 3, "uneven", "keep", timeout=60)
     assert all("ok" in r for r in out)  # dst 0 is a multiple of 3
-    with pytest.raises(ValueError, match="must be one of them"):
-        tdgather.Collector(tmp_path / "x", dst=1, ranks_per_writer=2)._block(4)
+    # a dst that is not a writer: tests/test_dst.py
     with pytest.raises(ValueError, match="ranks_per_writer"):
         tdgather.Collector(tmp_path / "x", ranks_per_writer=0)
 
@@ -295,13 +293,13 @@ def test_a_stopped_writer_fails_every_other_rank_within_the_timeout(tmp_path):
     out = str(tmp_path / "ds")
     killer = threading.Thread(target=kill_later, args=(out + ".pid", 10.0), daemon=True)
     killer.start()
-    start = time.time()
     with pytest.raises(WorldError) as info:  # rank 2 stopped, then killed: it leaves no result
         run_local_world(wc.case_writer_stops, WORLD, out, 2.0, timeout=60)
+    start = os.path.getmtime(out + ".pid")  # written by rank 2 just before it stopped: the world's own clock
     assert set(info.value.failures) == {2}
     r = info.value.results
     assert r[0]["type"] == "PeerLostError" and r[0]["rank"] == 2, r[0]  # the coordinator names the writer
     assert r[3]["type"] == "PeerLostError" and r[3]["rank"] == 2, r[3]  # and so does the writer's peer
     assert r[1]["type"] in ("PeerError", "PeerLostError") and r[1]["rank"] == 0, r[1]
-    assert max(x["at"] for x in (r[0], r[1], r[3])) - start < 2.0 + 12.0  # the timeout, start-up and slack
+    assert max(x["at"] for x in (r[0], r[1], r[3])) - start < 2.0 + 6.0  # the timeout and slack (not start-up)
     assert tdgather.open(out, incomplete=True).metadata["total_frames"] >= 2  # rank 0's and 1's frames kept

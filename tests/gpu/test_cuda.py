@@ -3,6 +3,8 @@
 Skipped without CUDA. Two gloo ranks share one GPU when the machine has only one.
 """
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,13 +17,15 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 FRAME = (3, 64, 64)
+BATCHES, BATCH = 6, 16  # per rank
+WORLD = 2
 
 
 def _device() -> torch.device:
     return torch.device("cuda", dist.get_rank() % torch.cuda.device_count() if dist.is_initialized() else 0)
 
 
-def _cuda_batches(rank: int, n: int = 6, batch: int = 16):
+def _cuda_batches(rank: int, n: int = BATCHES, batch: int = BATCH):
     """Batches made on the GPU, as a model's outputs would be."""
     g = torch.Generator(device=_device()).manual_seed(rank)
     for b in range(n):
@@ -34,7 +38,7 @@ def test_store_copies_cuda_frames_once_into_pinned_host_memory():
     store = tdgather.FrameStore()
     names, idx, frames = next(_cuda_batches(0))
     store.add(names, idx, {"depth": frames, "mask": frames > 0})
-    chunk = next(iter(store._chunks.values()))[0]
+    [(_, [chunk])] = store.groups()
     assert all(t.device.type == "cpu" and t.is_pinned() for t in chunk.tensors)
     result = tdgather.gather(store)
     got = torch.cat([result[n].frames["depth"] for n in sorted(set(names))])
@@ -71,12 +75,58 @@ def case_gather_from_gpus(streaming: bool, out: str) -> dict | None:
         f = result[name]
         assert f.frames.device.type == "cpu"
         assert torch.equal(f.frames, torch.stack([by_idx[i] for i in sorted(by_idx)])), name
-    received = sum(f.frames.numel() * 4 for f in (result[n] for n in result))
+    received = sum(f.frames.numel() * f.frames.element_size() for f in (result[n] for n in result))
     return {"before": before, "after": after, "received": received}
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["gather", "collector"])
 def test_rank0_allocates_no_gpu_memory_for_gathered_frames(tmp_path, streaming):
-    out = run_local_world(case_gather_from_gpus, 2, streaming, str(tmp_path / "ds"), timeout=300)[0]
-    assert out["received"] > 10_000_000
+    out = run_local_world(case_gather_from_gpus, WORLD, streaming, str(tmp_path / "ds"), timeout=300)[0]
+    sent = WORLD * BATCHES * BATCH * math.prod(FRAME) * torch.float32.itemsize  # 9,437,184 bytes: every frame
+    assert out["received"] == sent  # rank 0 holds every rank's frames on the host (frame_idx are unique per rank)
     assert out["after"] == out["before"], f"rank 0's GPU memory grew by {out['after'] - out['before']} bytes"
+
+
+def _detections(rank: int, batches: int = 3, batch: int = 8) -> list:
+    """Per-image dicts (torchvision's detection output), 0-5 boxes each, made on the CPU from a seed."""
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for b in range(batches):
+        images = [
+            {"boxes": torch.rand(int(n), 4, generator=g), "labels": torch.randint(0, 80, (int(n),), generator=g)}
+            for n in torch.randint(0, 6, (batch,), generator=g)
+        ]
+        out.append(([f"r{rank}_det.mp4"] * batch, torch.arange(b * batch, (b + 1) * batch), images))
+    return out
+
+
+def case_ragged_from_gpus() -> dict | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(_device())
+    store = tdgather.FrameStore()
+    for names, idx, images in _detections(rank):
+        on_gpu = [{k: v.to(_device()) for k, v in image.items()} for image in images]
+        store.add(names, idx.to(_device()), on_gpu, ragged=["boxes", "labels"])
+    [(_, chunks)] = store.groups()
+    pinned = all(t.values.is_pinned() for c in chunks for t in c.tensors)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    result = tdgather.gather(store, timeout=120)
+    torch.cuda.synchronize()
+    grew = torch.cuda.memory_allocated() - before
+    if rank != 0:
+        return None
+    frames = wrong = 0
+    for r in range(world):
+        f = result[f"r{r}_det.mp4"]
+        images = [image for _, _, batch in _detections(r) for image in batch]
+        frames += f.frame_idx.numel()
+        for i, image in enumerate(images):
+            got = {k: f.frames[k][i] for k in image}
+            wrong += not all(got[k].device.type == "cpu" and torch.equal(got[k], v) for k, v in image.items())
+    return {"frames": frames, "wrong": wrong, "grew": grew, "pinned": pinned}
+
+
+def test_ragged_detections_on_gpus_reach_rank0_on_the_host():
+    out = run_local_world(case_ragged_from_gpus, WORLD, timeout=300)[0]
+    assert out == {"frames": WORLD * 3 * 8, "wrong": 0, "grew": 0, "pinned": True}

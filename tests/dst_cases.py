@@ -1,0 +1,56 @@
+"""Rank functions for `dst` / `group_dst` (torch's convention), run in real gloo worlds by test_dst.py."""
+
+import torch
+import torch.distributed as dist
+
+import tdgather
+
+
+def _outcome(fn) -> dict:
+    try:
+        value = fn()
+    except (ValueError, tdgather.TdgatherError) as e:
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"value": value}
+
+
+def case_gather_in_a_subgroup(how: dict) -> dict:
+    """Global ranks 1 and 3 gather in their own group; who holds the result (by global rank)."""
+    rank = dist.get_rank()
+    group = dist.new_group([1, 3], backend="gloo")  # collective: every rank makes it
+    if rank not in (1, 3):
+        return {"member": False}
+    preds = {f"from_{rank}.mp4": (0, torch.full((2,), float(rank)))}
+
+    def call() -> list | None:
+        result = tdgather.gather(preds, group=group, timeout=60, **how)
+        return None if result is None else sorted(result)
+
+    return {"member": True, **_outcome(call)}
+
+
+def case_collector_in_a_subgroup(out: str, how: dict) -> dict:
+    """Global ranks 1 and 3 collect in their own group; which global rank wrote (and returned a summary)."""
+    rank = dist.get_rank()
+    group = dist.new_group([1, 3], backend="gloo")
+    if rank not in (1, 3):
+        return {"member": False}
+
+    def call() -> bool:
+        with tdgather.Collector(out, group=group, timeout=60, progress=False, **how) as col:
+            col.add([f"from_{rank}.mp4"], [0], torch.full((1, 2), float(rank)))
+        return col.summary is not None
+
+    return {"member": True, **_outcome(call)}
+
+
+def case_collector_dst(out: str, how: dict) -> dict:
+    """A Collector on the whole world, with ``how`` (dst=, ranks_per_writer=...)."""
+    rank = dist.get_rank()
+
+    def call() -> bool:
+        with tdgather.Collector(out, timeout=60, progress=False, **how) as col:
+            col.add([f"from_{rank}.mp4"], [0], torch.full((1, 2), float(rank)))
+        return col.summary is not None
+
+    return _outcome(call)

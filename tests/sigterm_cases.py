@@ -1,0 +1,43 @@
+"""Rank functions for tests/test_sigterm.py: rank 0 sends itself SIGTERM inside a Collector."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import tdgather
+from tdgather.launch import run_local_world
+
+
+def case_sigterm(out: str, mode: str) -> dict:
+    """``mode`` "default": SIGTERM's default action was in place; "user": the user's own handler was."""
+    rank = dist.get_rank()
+    handled = []
+
+    def users_handler(signum, frame):
+        handled.append(signum)
+
+    if mode == "user":
+        signal.signal(signal.SIGTERM, users_handler)
+    result: dict = {}
+    try:
+        with tdgather.Collector(out, timeout=60, progress=False) as col:
+            col.add([f"r{rank}_{i}.jpg" for i in range(20)], [0] * 20, torch.rand(20, 4))
+            if rank == 0:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)  # the handler runs in this thread at once
+        result = {"handled": bool(handled)}
+    except SystemExit as e:
+        result = {"exit": e.code}
+    except tdgather.PeerError as e:
+        result = {"error": type(e).__name__}
+    now = signal.getsignal(signal.SIGTERM)
+    result["after"] = "user" if now is users_handler else getattr(now, "name", repr(now))
+    return result
+
+
+def run(out: Path, mode: str) -> list:
+    return run_local_world(case_sigterm, 2, str(out), mode, timeout=120)
