@@ -1,8 +1,14 @@
-"""Every Python block of the README runs as written, on 2 ranks under torchrun (and the Quick start alone).
+"""Every Python block of the README and of each docs/ page runs as written, on 2 ranks under torchrun.
 
-The blocks run in order in one directory, as a reader would paste them: the safe_open recipe reads
-what the Collector example wrote. The writer-per-node block runs as two torchrun "nodes" of one
-process each, meeting on loopback, so that it has two writers.
+Each page is one test: its blocks run in order, in a fresh directory of their own, as a reader
+would paste them (the README's reading block reads what its Collector example wrote; a docs page
+that reads a dataset first saves one itself), so no page depends on another page's output. The
+writer-per-node block runs as two torchrun "nodes" of one process each, meeting on loopback, so
+that it has two writers. The Quick start also runs alone, without a process group.
+
+PAGES says how many blocks each page has: a page added under docs/, or a block added, removed or
+no longer collected (a fence that is not exactly ```python at the start of a line), fails
+`test_each_page_has_the_blocks_this_test_expects` until the count here is updated.
 """
 
 import os
@@ -16,22 +22,101 @@ import pytest
 from .procs import finish
 from .test_torchrun import free_port
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(encoding="utf-8"), flags=re.S | re.M)
+ROOT = Path(__file__).resolve().parents[1]
+
+# page -> the number of ```python blocks it holds (every one runs)
+PAGES = {
+    "README.md": 3,
+    "docs/benchmarks.md": 0,
+    "docs/collector.md": 0,
+    "docs/design.md": 0,
+    "docs/failures.md": 1,
+    "docs/format.md": 2,
+    "docs/how-it-works.md": 0,
+    "docs/inputs.md": 1,
+    "docs/integrations.md": 2,
+    "docs/ragged.md": 1,
+    "docs/reading.md": 4,
+    "docs/scaling.md": 1,
+}
 
 pytestmark = pytest.mark.world
 
 
-def _run(args, cwd):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+def blocks(page: str) -> list[str]:
+    text = (ROOT / page).read_text(encoding="utf-8")
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def python_fences(page: str) -> int:
+    """Every fence that opens a Python block, also one indented or spelled ```py / ``` python."""
+    text = (ROOT / page).read_text(encoding="utf-8")
+    return len(re.findall(r"^[ \t>]*(?:```|~~~)[ \t]*(?:python3?|py)\b", text, flags=re.M | re.I))
+
+
+def _dataset(out: Path, *names: str) -> None:
+    for name in names:
+        assert (out / name / "tdgather.index.json").is_file(), f"{name} was not written"
+
+
+def _readme(out: Path, logs: str) -> None:
+    _dataset(out, "quickstart", "epoch_3")
+    assert "video_0.mp4 [0, 1, 2] (20, 1, 16, 16)" in logs, logs[-3000:]
+
+
+def _ragged(out: Path, logs: str) -> None:
+    _dataset(out, "dets")
+
+
+def _integrations(out: Path, logs: str) -> None:
+    _dataset(out, "lightning_0", "lightning_1", "accelerate")
+
+
+def _scaling(out: Path, logs: str) -> None:
+    assert "tensor([0, 1, 2, 3])" in logs, logs[-3000:]
+    per_node = sorted(os.listdir(out / "per_node"))
+    assert per_node == ["shard-00000-00000.safetensors", "shard-00001-00000.safetensors", "tdgather.index.json"]
+
+
+def _failures(out: Path, logs: str) -> None:
+    _dataset(out, "long_job")
+
+
+def _format(out: Path, logs: str) -> None:
+    _dataset(out, "epoch_3", "dets")
+    assert "['g0', 'g0:frame_idx']" in logs, logs[-3000:]
+
+
+def _reading(out: Path, logs: str) -> None:
+    _dataset(out, "quickstart")
+    assert (out / "quickstart.parquet").is_file()
+
+
+# what each page's blocks must leave behind, in its own directory's out/ and in their output
+CHECKS = {
+    "README.md": _readme,
+    "docs/failures.md": _failures,
+    "docs/format.md": _format,
+    "docs/inputs.md": lambda out, logs: None,  # its block asserts its own result
+    "docs/integrations.md": _integrations,
+    "docs/ragged.md": _ragged,
+    "docs/reading.md": _reading,
+    "docs/scaling.md": _scaling,
+}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _run(args, cwd) -> str:
+    done = subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"{args} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done.stdout
 
 
 def _two_nodes(script: Path, cwd: Path) -> list[str]:
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     rdzv = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=readme", "--max-restarts=0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", *rdzv]
     return finish(
@@ -39,7 +124,7 @@ def _two_nodes(script: Path, cwd: Path) -> list[str]:
             subprocess.Popen(
                 [*cmd, f"--node-rank={n}", str(script)],
                 cwd=cwd,
-                env=env,
+                env=_env(),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -50,32 +135,35 @@ def _two_nodes(script: Path, cwd: Path) -> list[str]:
     )
 
 
-def test_the_readme_has_the_blocks_this_test_expects():
-    assert len(BLOCKS) == 12, [b.splitlines()[:3] for b in BLOCKS]
+def test_every_page_is_listed():
+    pages = ["README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))]
+    assert sorted(pages) == sorted(PAGES), "add the new page to PAGES (and CHECKS if it has blocks)"
+    assert sorted(CHECKS) == sorted(p for p, n in PAGES.items() if n)
 
 
-def test_every_python_block_runs_as_written_on_two_ranks(tmp_path):
-    for k, block in enumerate(BLOCKS):
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_each_page_has_the_blocks_this_test_expects(page):
+    found = blocks(page)
+    assert len(found) == python_fences(page), f"{page}: a Python block is not a plain ```python fence"
+    assert len(found) == PAGES[page], [b.splitlines()[:3] for b in found]
+
+
+@pytest.mark.parametrize("page", sorted(p for p, n in PAGES.items() if n))
+def test_every_python_block_of_the_page_runs_as_written_on_two_ranks(page, tmp_path):
+    logs = []
+    for k, block in enumerate(blocks(page)):
         script = tmp_path / f"block{k}.py"
         script.write_text(block, encoding="utf-8")
         if "ranks_per_writer=per_node" in block:
-            outs = _two_nodes(script, tmp_path)
-            assert "tensor([0, 1, 2, 3])" in "".join(outs)
+            logs += _two_nodes(script, tmp_path)
             continue
-        _run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)], tmp_path
-        )
-    assert (tmp_path / "out" / "quickstart" / "tdgather.index.json").is_file()
-    assert (tmp_path / "out" / "dets" / "tdgather.index.json").is_file()
-    per_node = sorted(os.listdir(tmp_path / "out" / "per_node"))
-    assert per_node == ["shard-00000-00000.safetensors", "shard-00001-00000.safetensors", "tdgather.index.json"]
-    for ds in ["lightning_0", "lightning_1", "accelerate", "long_job"]:
-        assert (tmp_path / "out" / ds / "tdgather.index.json").is_file()
-    assert (tmp_path / "out" / "quickstart.parquet").is_file()
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        logs.append(_run([*torchrun, str(script)], tmp_path))
+    CHECKS[page](tmp_path / "out", "".join(logs))
 
 
 def test_the_quick_start_runs_without_a_process_group(tmp_path):
     script = tmp_path / "quickstart.py"
-    script.write_text(BLOCKS[0], encoding="utf-8")
+    script.write_text(blocks("README.md")[0], encoding="utf-8")
     out = _run([sys.executable, str(script)], tmp_path)
     assert "tensor([3, 4])" in out and "torch.Size([2, 2, 8])" in out
