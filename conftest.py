@@ -8,4 +8,4 @@ collect_ignore = []
 try:
     import lightning  # noqa: F401
 except ModuleNotFoundError:
-    collect_ignore += ["tdgather/lightning.py", "tests/lightning_cases.py"]
+    collect_ignore += ["tdgather/integrations/lightning.py", "tests/lightning_cases.py"]

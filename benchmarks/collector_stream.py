@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.launch import run_local_world
+from tdgather.tools.launch import run_local_world
 
 from .memory import PeakSampler
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 import tdgather
-import tdgather.resume as resume
-import tdgather.sink as sink
-from tdgather.sink import DatasetWriter
+import tdgather.storage.recovery as resume
+import tdgather.storage.writer as sink
+from tdgather.storage.writer import DatasetWriter
 
 from .report import machine
 

@@ -44,7 +44,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import tdgather
-from tdgather.views import collate_frames
+from tdgather.storage.views import collate_frames
 
 
 def make(path: Path, files: int, frames: int) -> int:

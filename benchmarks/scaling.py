@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tdgather.launch import run_local_world
+from tdgather.tools.launch import run_local_world
 
 from .methods import METHODS, RankData
 from .report import machine

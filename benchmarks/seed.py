@@ -58,7 +58,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import tdgather
-from tdgather.launch import WorldError, run_local_world
+from tdgather.tools.launch import WorldError, run_local_world
 
 from .report import machine
 

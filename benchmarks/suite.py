@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tdgather.launch import WorldError, run_local_world
+from tdgather.tools.launch import WorldError, run_local_world
 
 from .memory import PeakSampler
 from .methods import METHODS, RankData, skip_reason

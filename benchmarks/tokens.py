@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.launch import run_local_world
+from tdgather.tools.launch import run_local_world
 
 
 def _rank(prompts: int, repeats: int, out: str) -> dict | None:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.demo import DemoNet, assignment, video_frames
+from tdgather.tools.demo import DemoNet, assignment, video_frames
 
 
 def main() -> None:

@@ -1,7 +1,11 @@
 """tdgather: gather per-rank frame predictions to one CPU process, without pickle, and save them."""
 
-from .collector import Collector, CollectorSummary
-from .duplicates import DuplicateCounts, DuplicatePolicy
+from .api.collector import Collector, CollectorStatus, CollectorSummary
+from .api.gather import Gathered, GatherStats, gather
+from .core.duplicates import DuplicateCounts, DuplicatePolicy
+from .core.frames import Frames
+from .core.ragged import padded
+from .core.store import FrameStore
 from .errors import (
     CallMismatchError,
     DatasetError,
@@ -16,17 +20,14 @@ from .errors import (
     Terminated,
     UnsupportedValueError,
 )
-from .frames import Frames
-from .gather import Gathered, GatherStats, gather
-from .ragged import padded
-from .reader import Dataset
-from .reader import open_dataset as open
-from .sink import save
-from .store import FrameStore
+from .storage.reader import Dataset
+from .storage.reader import open_dataset as open
+from .storage.save import save
 
 __all__ = [
     "CallMismatchError",
     "Collector",
+    "CollectorStatus",
     "CollectorSummary",
     "Dataset",
     "DatasetError",

@@ -28,7 +28,7 @@ class TdgatherError(Exception):
     """Base class of every error tdgather raises on purpose.
 
     Attributes:
-        received: on rank ``dst`` after a failed `tdgather.gather`, the frames that had arrived
+        received: on rank ``dst`` after a failed `tdgather.api.gather`, the frames that had arrived
             (a `tdgather.Gathered`, from every rank, the failed one's included), so nothing already
             received is lost; None elsewhere, or when they could not be merged.
     """

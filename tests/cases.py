@@ -1,7 +1,7 @@
 """Prediction generators, a pickle-based reference, and the per-rank world cases.
 
 The functions named ``case_*`` run inside every rank of a local gloo world
-(`tdgather.launch.run_local_world`); they compare `tdgather.gather` with what
+(`tdgather.tools.launch.run_local_world`); they compare `tdgather.gather` with what
 `torch.distributed.gather_object` gives for the same inputs, and assert on rank 0.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tensordict import NonTensorStack, TensorDict, is_non_tensor, is_tensorclass
 from tensordict.base import TensorDictBase
 
 import tdgather
+from tdgather.storage.writer import DatasetWriter
 
 
 @tensorclass
@@ -342,31 +344,33 @@ def case_stream_vs_gather(out: str, budget: int, chunk: int, shape: tuple = (3, 
     }
 
 
+class SlowWriter(DatasetWriter):
+    """A sink that takes 0.3 s per write: rank 0 writes slowly."""
+
+    def write(self, frames, *args, **kwargs):
+        time.sleep(0.3)
+        return super().write(frames, *args, **kwargs)
+
+
 def case_backpressure(out: str) -> dict:
     """Rank 0 writes slowly; a sender must wait in add() instead of queueing more than max_pending."""
-    import time as _time
-
-    from tdgather import sink
-
     rank = dist.get_rank()
-    if rank == 0:
-        slow = sink.DatasetWriter.write
-
-        def write(self, frames, *args):
-            _time.sleep(0.3)
-            return slow(self, frames, *args)
-
-        sink.DatasetWriter.write = write
     waited = 0.0
     with tdgather.Collector(
-        out, memory_budget=1 << 20, chunk_bytes=64 << 10, max_pending=2, timeout=60, progress=False
+        out,
+        memory_budget=1 << 20,
+        chunk_bytes=64 << 10,
+        max_pending=2,
+        timeout=60,
+        progress=False,
+        sink=SlowWriter,
     ) as col:
         if rank == 1:
             for b in range(40):  # 40 chunks of 96 KB
-                t = _time.perf_counter()
+                t = time.perf_counter()
                 col.add([f"f{b}"] * 8, list(range(8)), torch.full((8, 3000), float(b)))
-                waited += _time.perf_counter() - t
-            peak = col._side.pending_peak
+                waited += time.perf_counter() - t
+            peak = col.status().pending_peak
     if rank == 1:
         return {"peak": peak, "waited": waited}
     return {"frames": col.summary.frames if col.summary else None}
@@ -536,10 +540,10 @@ def wire_roundtrip(store: tdgather.FrameStore, rank: int = 0):
 
     The wire without gloo: every step of the receive path but the transport itself.
     """
-    from tdgather.pack import pack
-    from tdgather.plan import Part
-    from tdgather.protocol import as_bytes
-    from tdgather.wire import Kind, Limits, decode_header, decode_index, decode_json, encode_json
+    from tdgather.core.plan import Part
+    from tdgather.dist.pack import pack
+    from tdgather.dist.protocol import as_bytes
+    from tdgather.dist.wire import Kind, Limits, decode_header, decode_index, decode_json, encode_json
 
     packed = pack(store)
     parsed = decode_json(encode_json(packed.header), rank, Limits())
@@ -563,10 +567,10 @@ def case_slow_placement(world_frames: int, early_bytes: int) -> dict | None:
     import time as _time
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    gather_module = sys.modules["tdgather.gather"]
+    gather_module = sys.modules["tdgather.api.gather"]
     early = []
     if rank == 0:
-        place, land = gather_module.place, gather_module._Landing.land
+        place, land = gather_module.place, gather_module.Landing.land
 
         def slow_place(parts, *args):
             _time.sleep(0.5)
@@ -576,8 +580,8 @@ def case_slow_placement(world_frames: int, early_bytes: int) -> dict | None:
             early.append(not self.receive.placed.is_set())
             return land(self, *args)
 
-        gather_module.place, gather_module._Landing.land = slow_place, noted_land
-        gather_module._Landing.EARLY_BYTES, default_early = early_bytes, gather_module._Landing.EARLY_BYTES
+        gather_module.place, gather_module.Landing.land = slow_place, noted_land
+        gather_module.Landing.EARLY_BYTES, default_early = early_bytes, gather_module.Landing.EARLY_BYTES
     store = tdgather.FrameStore()
     mine = [p for p in range(world_frames) if p % world == rank] + ([0] if rank == world - 1 else [])  # + a copy
     for start in range(0, len(mine), 64):
@@ -589,8 +593,8 @@ def case_slow_placement(world_frames: int, early_bytes: int) -> dict | None:
         result = tdgather.gather(store, timeout=60)
     finally:
         if rank == 0:
-            gather_module.place, gather_module._Landing.land = place, land
-            gather_module._Landing.EARLY_BYTES = default_early
+            gather_module.place, gather_module.Landing.land = place, land
+            gather_module.Landing.EARLY_BYTES = default_early
     if rank != 0:
         return None
     for name, f in result.items():

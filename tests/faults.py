@@ -1,6 +1,6 @@
 """Per-rank cases that inject the faults of the fault matrix (docs/design.md) into real gloo worlds.
 
-Each ``case_*`` runs in every rank of `tdgather.launch.run_local_world`. Ranks that are
+Each ``case_*`` runs in every rank of `tdgather.tools.launch.run_local_world`. Ranks that are
 killed or stopped leave no result; the survivors return what they saw (error type, rank,
 message, and wall-clock times, so the tests can bound the time to error).
 """
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.pack import pack
-from tdgather.transport import Channel
-from tdgather.wire import MAGIC, PRELUDE_LEN, VERSION, Kind, encode_json
+from tdgather.dist.pack import pack
+from tdgather.dist.transport import Channel
+from tdgather.dist.wire import MAGIC, PRELUDE_LEN, VERSION, Kind, encode_json
 
 from .cases import value
 
@@ -130,8 +130,8 @@ def case_stream_fault(out: str, how: str, k: int, tmp: str, timeout: float, ragg
                         os.kill(os.getpid(), signal.SIGSTOP)
                 col.add(*batch(rank, b, ragged))
             if rank == 0:
-                side = col._side
-                _wait_until(lambda: side.received[1] == k * B and side.received[2] == BATCHES[2] * B, "the frames")
+                want = {1: k * B, 2: BATCHES[2] * B}
+                _wait_until(lambda: all(col.status().frames_received[r] == n for r, n in want.items()), "the frames")
                 go.touch()
             if rank == 2 and how == "raise":
                 time.sleep(LONG_STEP)  # a long inference step: rank 0 must not wait for its next add()
@@ -328,7 +328,7 @@ def case_disk_full(out: str) -> dict:
         with tdgather.Collector(out, chunk_bytes=1, memory_budget=1 << 20, timeout=30, progress=False) as col:
             if rank == 0:
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so write() fails with EFBIG, as on a full disk
-                _wait_until(lambda: len(col._side.writer.shards) >= 2, "two shards")
+                _wait_until(lambda: col.status().shards >= 2, "two shards")
                 soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
                 resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, hard))
             else:
@@ -394,7 +394,8 @@ def case_write_and_die(target: str, event: str, count: int) -> dict:
     Events: ``write`` (after a chunk of a file is written), ``fsync`` (before an fsync of a file or
     directory), ``replace`` (after a rename into place), ``exchange`` (after the atomic swap).
     """
-    from tdgather import _output, sink
+    from tdgather.storage.atomic import LocalFS
+    from tdgather.storage.writer import DatasetWriter
 
     seen = {"n": 0}
 
@@ -404,7 +405,21 @@ def case_write_and_die(target: str, event: str, count: int) -> dict:
             if seen["n"] == count:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    real_fsync, real_replace, real_exchange, real_write = os.fsync, os.replace, _output._exchange, sink._write_atomic
+    class Dying(LocalFS):  # the sink's own steps, through its filesystem seam
+        def exchange(self, a, b):
+            swapped = super().exchange(a, b)
+            tick("exchange")
+            return swapped
+
+        def write_all(self, fd, chunks):
+            def counted():
+                for chunk in chunks:
+                    yield chunk
+                    tick("write")
+
+            super().write_all(fd, counted())
+
+    real_fsync, real_replace = os.fsync, os.replace  # every fsync and rename, the directories' too: os-level
 
     def fsync(fd):
         tick("fsync")
@@ -414,22 +429,15 @@ def case_write_and_die(target: str, event: str, count: int) -> dict:
         real_replace(a, b)
         tick("replace")
 
-    def exchange(a, b):
-        swapped = real_exchange(a, b)
-        tick("exchange")
-        return swapped
-
-    def write_atomic(path, chunks, *rest):
-        def counted():
-            for chunk in chunks:
-                yield chunk
-                tick("write")
-
-        real_write(path, counted(), *rest)
-
-    os.fsync, os.replace, _output._exchange, sink._write_atomic = fsync, replace, exchange, write_atomic
+    os.fsync, os.replace = fsync, replace
     try:
-        sink.save(tdgather.gather(dataset("new")), target, overwrite=True, max_shard_bytes=12_000)
+        tdgather.save(
+            tdgather.gather(dataset("new")),
+            target,
+            overwrite=True,
+            max_shard_bytes=12_000,
+            sink=lambda path, **kw: DatasetWriter(path, fs=Dying(), **kw),
+        )
     finally:
         os.fsync, os.replace = real_fsync, real_replace
     return {"events": seen["n"]}

@@ -26,7 +26,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from tdgather.lightning import PredictionWriter
+from tdgather.integrations.lightning import PredictionWriter
 
 FEATURES = 6
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import tdgather
-from tdgather.demo import DemoNet, video_frames
+from tdgather.tools.demo import DemoNet, video_frames
 
 LENGTHS = [7, 11, 5, 9]  # 32 pairs: over 3 ranks, DistributedSampler pads 1; over 5 ranks, 3
 SIZE = 24
@@ -110,9 +110,9 @@ def case_uneven_finish(how: str, busy: str, seconds: float, timeout: float, out:
         summary = col.summary
         return {"frames": summary.frames if summary else None, "waited": time.monotonic() - start}
     if slow and busy == "dst":  # rank dst busy inside gather (a slow merge): its senders wait for the answer
-        g = sys.modules["tdgather.gather"]  # the module (tdgather.gather is the function)
-        real = g._Receive._result
-        g._Receive._result = lambda *a, **k: (time.sleep(seconds), real(*a, **k))[1]
+        g = sys.modules["tdgather.api.gather"]  # the module (tdgather.gather is the function)
+        real = g.Receive._result
+        g.Receive._result = lambda *a, **k: (time.sleep(seconds), real(*a, **k))[1]
     result = tdgather.gather(frames, timeout=timeout)
     return {"frames": result.stats.frames if result else None, "waited": time.monotonic() - start}
 
@@ -148,9 +148,8 @@ def case_conflict_after_shards(out: str) -> dict | None:
             if rank == 1:
                 col.update({"x.mp4": [(0, torch.zeros(4)), (1, torch.zeros(4))], "one.mp4": (0, torch.ones(4))})
             if rank == 0:
-                side = col._side
                 deadline = time.monotonic() + 30
-                while not side.writer.shards:
+                while not col.status().shards:
                     assert time.monotonic() < deadline, "rank 1's frames were never written"
                     time.sleep(0.01)
                 go.touch()

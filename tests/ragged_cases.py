@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.ragged import Ragged
+from tdgather.core.ragged import Ragged
 
 FEAT = 16
 DETECTIONS = ["boxes", "scores", "labels"]  # the ragged leaves
@@ -174,7 +174,7 @@ def case_cut_mid_values(tmp: str) -> dict | None:
     import signal
     import time
 
-    from tdgather.wire import MAGIC, PRELUDE_LEN, Kind
+    from tdgather.dist.wire import MAGIC, PRELUDE_LEN, Kind
 
     rank = dist.get_rank()
     store = tdgather.FrameStore()

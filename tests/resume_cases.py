@@ -7,6 +7,7 @@ an interrupted and resumed run must give the uninterrupted run's dataset bit for
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -16,6 +17,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 import tdgather
+from tdgather.storage.atomic import LocalFS
+from tdgather.storage.writer import DatasetWriter
 
 SIDE = 24  # frames are [3, SIDE, SIDE]: about 7 KB each
 
@@ -35,21 +38,19 @@ def model(x: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"depth": torch.tanh(x[:, :1] * 1.7 + 0.3), "feat": (x * 3 - 1).to(torch.bfloat16)}
 
 
-def _die_at_write(count: int) -> None:
+class DieAtWrite(LocalFS):
     """SIGKILL this process at its ``count``-th file write (rank dst killed while writing)."""
-    from tdgather import sink
 
-    real, seen = sink._write_all, {"n": 0}
+    def __init__(self, count: int) -> None:
+        self.count, self.seen = count, 0
 
-    def write_all(fd, chunks):
-        seen["n"] += 1
-        if seen["n"] == count:
-            real(fd, list(chunks)[:1])  # half a file: the temporary name a killed writer leaves
+    def write_all(self, fd, chunks):
+        self.seen += 1
+        if self.seen == self.count:
+            super().write_all(fd, list(chunks)[:1])  # half a file: the temporary name a killed writer leaves
             time.sleep(1.0)  # the earlier shards' fsync and rename (a background thread) finish first
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(fd, chunks)
-
-    sink._write_all = write_all
+        return super().write_all(fd, chunks)
 
 
 def case_run(
@@ -62,8 +63,10 @@ def case_run(
 ) -> dict:
     """One attempt: ``kill`` = {"rank": r, "batch": b} (a rank) or {"rank": r, "write": n} (a writer)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    sink = None
     if kill and kill["rank"] == rank and "write" in kill:
-        _die_at_write(kill["write"])
+        fs = DieAtWrite(kill["write"])
+        sink = functools.partial(DatasetWriter, fs=fs)
     col = tdgather.Collector(
         out,
         resume=resume,
@@ -73,6 +76,7 @@ def case_run(
         chunk_bytes=16 << 10,
         timeout=60,
         ranks_per_writer=ranks_per_writer,
+        sink=sink,
     )
     with col:
         todo = col.saved.todo(samples())

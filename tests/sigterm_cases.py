@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.launch import run_local_world
+from tdgather.tools.launch import run_local_world
 
 
 def case_sigterm(out: str, mode: str) -> dict:

@@ -66,7 +66,7 @@ def test_combine_smoke(tmp_path):
 
 def test_detection_smoke(tmp_path):
     from benchmarks.detection import METHODS, _rank
-    from tdgather.launch import run_local_world
+    from tdgather.tools.launch import run_local_world
 
     out = run_local_world(_rank, 2, 2, list(METHODS), 1, str(tmp_path), timeout=300)[0]
     rows = {m: (seconds, wire) for m, seconds, wire, _ in out["rows"]}
@@ -79,7 +79,7 @@ def test_detection_smoke(tmp_path):
 @pytest.mark.world
 def test_suite_detection_data_exact():
     """The detection workload through tdgather_store and pad_all_gather: rank 0 holds every frame, bit for bit."""
-    from tdgather.launch import run_local_world
+    from tdgather.tools.launch import run_local_world
 
     out = run_local_world(_detection_rank, 2, 0.02, timeout=300)[0]
     assert out["frames"] == 200 and out["empty"] > 0  # 2 videos; frames with no box are among them

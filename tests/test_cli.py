@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import tdgather
-from tdgather.cli import main
-from tdgather.demo import DemoNet, video_frames
+from tdgather.tools.cli import main
+from tdgather.tools.demo import DemoNet, video_frames
 
 
 def test_demo_end_to_end(tmp_path, capsys):
@@ -60,7 +60,7 @@ def test_inspect(tmp_path, capsys):
 
 
 def test_inspect_what_a_failed_run_saved(tmp_path, capsys):
-    writer = tdgather.sink.DatasetWriter(tmp_path / "ds")
+    writer = tdgather.storage.writer.DatasetWriter(tmp_path / "ds")
     writer.write(tdgather.gather({"a.mp4": (0, torch.zeros(4))}))
     writer.abort(tdgather.PeerLostError(2, "PeerLost", "no progress for 60 s"))
     assert main(["inspect", str(tmp_path / "ds")]) == 1
@@ -94,7 +94,7 @@ def test_inspect_checks_every_shard(tmp_path, capsys):
 
 
 def _views_dataset(tmp_path):
-    writer = tdgather.sink.DatasetWriter(tmp_path / "ds")
+    writer = tdgather.storage.writer.DatasetWriter(tmp_path / "ds")
     frames = [(j, {"boxes": torch.full((j % 3, 4), float(j)), "x": torch.tensor([j, float("nan")])}) for j in range(4)]
     frames += [(j, {"boxes": torch.zeros(1, 4), "x": torch.tensor([j, 1.0])}) for j in range(10, 13)]
     writer.write(

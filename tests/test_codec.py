@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tdgather
-from tdgather._dtypes import DTYPES
+from tdgather.core.dtypes import DTYPES
+from tdgather.core.merge import merge
+from tdgather.dist.pack import PIECE_MIN, pack
+from tdgather.dist.wire import Kind, Limits, Prelude, decode_header, decode_index, decode_json, encode_json
 from tdgather.errors import ProtocolError, ShapeMismatchError, UnsupportedValueError
-from tdgather.merge import merge
-from tdgather.pack import PIECE_MIN, pack
-from tdgather.wire import Kind, Limits, Prelude, decode_header, decode_index, decode_json, encode_json
 
 from .cases import bits, value, wire_roundtrip
 
@@ -82,7 +82,7 @@ def test_large_batches_go_on_the_wire_as_they_are_and_small_ones_are_joined():
 
 
 def test_a_batch_larger_than_a_piece_is_cut_into_whole_rows():
-    from tdgather.pack import PIECE_MAX
+    from tdgather.dist.pack import PIECE_MAX
 
     store = tdgather.FrameStore(copy=False)
     rows = torch.randn(5, PIECE_MAX // 4 // 2 + 1)  # a row just over half a piece: one row per piece
@@ -260,11 +260,11 @@ def test_a_view_of_a_large_storage_is_compacted_even_without_copy():
     big = torch.randn(8, 100_000)
     store = tdgather.FrameStore(copy=False)
     store.add(["a"] * 8, torch.arange(8), big[:, :2])
-    held = store._chunks[next(iter(store._chunks))][0].tensors[0]
+    held = store.groups()[0][1][0].tensors[0]
     assert held.untyped_storage().nbytes() == 8 * 2 * 4  # not the 3.2 MB it was cut from
     small = torch.randn(8, 2)
     store.add(["b"] * 8, torch.arange(8), small)
-    assert store._chunks[next(iter(store._chunks))][1].tensors[0].data_ptr() == small.data_ptr()
+    assert store.groups()[0][1][1].tensors[0].data_ptr() == small.data_ptr()
 
 
 def test_prelude_validation():

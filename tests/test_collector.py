@@ -8,8 +8,8 @@ import torch
 from safetensors import safe_open
 
 import tdgather
-from tdgather.launch import run_local_world
-from tdgather.sink import INDEX_NAME
+from tdgather.format.names import INDEX_NAME
+from tdgather.tools.launch import run_local_world
 
 from . import cases
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import tdgather
-from tdgather.launch import run_local_world
+from tdgather.tools.launch import run_local_world
 
 from . import dst_cases as dc
 

@@ -31,8 +31,8 @@ import torch
 from safetensors import safe_open
 
 import tdgather
-from tdgather.launch import WorldError, run_local_world
-from tdgather.sink import INDEX_NAME
+from tdgather.format.names import INDEX_NAME
+from tdgather.tools.launch import WorldError, run_local_world
 
 from . import faults
 
@@ -239,7 +239,7 @@ def test_row14_unwritable_directory_is_refused():
         os.chmod(tmp, 0o755)
         if os.geteuid() != 0:
             with pytest.raises(tdgather.OutputError, match="not writable; choose a writable path"):
-                tdgather.sink.check_output(parent / "ds", overwrite=False)
+                tdgather.storage.outdir.check_output(parent / "ds", overwrite=False)
             return
         # root writes anywhere: check as an unprivileged user, in a forked child (it runs no torch code)
         read, write = os.pipe()
@@ -247,7 +247,7 @@ def test_row14_unwritable_directory_is_refused():
         if pid == 0:
             try:
                 os.setuid(65534)
-                tdgather.sink.check_output(parent / "ds", overwrite=False)
+                tdgather.storage.outdir.check_output(parent / "ds", overwrite=False)
                 os.write(write, b"accepted")
             except BaseException as e:
                 os.write(write, str(e).encode()[:4000])

@@ -1,4 +1,4 @@
-"""`tdgather.lightning.PredictionWriter` under real Lightning Trainers: ``ddp`` and ``ddp_spawn`` on 2 gloo ranks.
+"""`PredictionWriter` under real Lightning Trainers: ``ddp`` and ``ddp_spawn`` on 2 gloo ranks.
 
 The four 2-process runs (tests/lightning_cases.py: ``many``, ``spawn``, ``fail``, ``writers``) start at once, in their
 own interpreters (Lightning's ddp launcher re-executes ``sys.argv``); the 1-process reference runs in this
@@ -22,7 +22,7 @@ pytest.importorskip("lightning")
 
 import lightning as L  # noqa: E402
 
-from tdgather.lightning import PredictionWriter  # noqa: E402
+from tdgather.integrations.lightning import PredictionWriter  # noqa: E402
 from tests import lightning_cases  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.launch import WorldError, run_local_world
+from tdgather.tools.launch import WorldError, run_local_world
 
 
 def test_not_initialised_works_locally(monkeypatch):

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import tdgather
-from tdgather.launch import run_local_world
-from tdgather.sink import INDEX_NAME, DatasetWriter
+from tdgather.format.names import INDEX_NAME
+from tdgather.storage.writer import DatasetWriter
+from tdgather.tools.launch import run_local_world
 
 from . import cases
 

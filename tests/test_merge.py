@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import tdgather
-from tdgather.duplicates import DuplicateCounts, DuplicatePolicy
+from tdgather.core.duplicates import DuplicateCounts, DuplicatePolicy
+from tdgather.core.merge import merge
 from tdgather.errors import DuplicateFrameError, ShapeMismatchError
-from tdgather.merge import merge
 
 from .cases import value, wire_roundtrip
 
@@ -183,7 +183,7 @@ def test_a_merge_by_reference_leaves_long_rows_where_they_are_and_writes_the_sam
     assert kinds == {(64, 64): "Rows", (4,): "Tensor"}
     assert by_ref.duplicates == copied.duplicates == DuplicateCounts(exact=1, inexact=0, max_abs_diff=0.0)
     for merged, name in ((by_ref, "ref"), (copied, "copy")):
-        w = tdgather.sink.DatasetWriter(tmp_path / name)
+        w = tdgather.storage.writer.DatasetWriter(tmp_path / name)
         w.write(merged, merged.ranks)
         w.commit()
     a, b = tdgather.open(tmp_path / "ref"), tdgather.open(tmp_path / "copy")
@@ -199,7 +199,7 @@ def test_a_merge_by_reference_leaves_long_rows_where_they_are_and_writes_the_sam
 
 
 def test_rows_select_and_slice_by_reference():
-    from tdgather.merge import Rows
+    from tdgather.core.merge import Rows
 
     sources = [torch.arange(12.0).view(3, 4), torch.arange(100.0, 108.0).view(2, 4)]
     rows = Rows(sources, torch.tensor([1, 0, 0, 1, 0]), torch.tensor([1, 0, 1, 0, 2]), 0, 5)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.launch import run_local_world
+from tdgather.tools.launch import run_local_world
 
 OURS_TOO = {"run": "exp-42", "duplicates": "keep-first", "total_frames": 1000, "attempts": [1]}
 

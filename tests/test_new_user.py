@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tdgather
-from tdgather.launch import WorldError, run_local_world
+from tdgather.tools.launch import WorldError, run_local_world
 
 from . import newuser
 from .procs import kill_later

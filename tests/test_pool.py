@@ -2,7 +2,7 @@
 
 import torch
 
-from tdgather.pool import BufferPool
+from tdgather.core.pool import BufferPool
 
 
 def test_buffers_given_back_are_reused_and_the_cap_drops_the_rest():

@@ -9,11 +9,11 @@ from safetensors import safe_open
 
 import tdgather
 from tdgather import DatasetError, DuplicateFrameError, ProtocolError, ShapeMismatchError, UnsupportedValueError
-from tdgather._dtypes import DTYPES
-from tdgather.launch import WorldError, run_local_world
-from tdgather.pack import pack
-from tdgather.ragged import Ragged, padded
-from tdgather.wire import Kind, Limits, decode_header, decode_index, decode_json, encode_json, index_offsets
+from tdgather.core.dtypes import DTYPES
+from tdgather.core.ragged import Ragged, padded
+from tdgather.dist.pack import pack
+from tdgather.dist.wire import Kind, Limits, decode_header, decode_index, decode_json, encode_json, index_offsets
+from tdgather.tools.launch import WorldError, run_local_world
 
 from . import ragged_cases as rc
 from .test_reader import rewrite_shard
@@ -95,7 +95,7 @@ def test_every_dtype_round_trips_bit_exactly_through_save_and_open(tmp_path, dty
     tdgather.save(tdgather.gather(store), tmp_path / "ds")
     ds = tdgather.open(tmp_path / "ds")
     a = ds["a"].frames  # frames 1, 2, 3 are rows 1, 3, 0 of the batch
-    assert ds.layout("a").describe() == f"{tdgather._dtypes.dtype_name(dtype)}[*, 3]"
+    assert ds.layout("a").describe() == f"{tdgather.core.dtypes.dtype_name(dtype)}[*, 3]"
     assert a.offsets().tolist() == [0, 0, 1, 3]
     want = torch.cat([values[5:6], values[0:2]])
     assert torch.equal(a.values().view(torch.uint8), want.view(torch.uint8))
@@ -374,7 +374,7 @@ def test_the_dict_form_takes_ragged_too(tmp_path):
 
 
 def test_a_copy_that_arrives_after_its_frame_was_written_is_compared_with_the_disk(tmp_path):
-    from tdgather.sink import DatasetWriter
+    from tdgather.storage.writer import DatasetWriter
 
     def frames(lengths):
         store = tdgather.FrameStore()

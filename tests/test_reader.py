@@ -20,10 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import tdgather
-import tdgather._index_check
+import tdgather.storage.segments
 from tdgather import DatasetError
-from tdgather.reader import read_segment
-from tdgather.sink import INCOMPLETE_NAME, INDEX_NAME, DatasetWriter
+from tdgather.format.names import INCOMPLETE_NAME, INDEX_NAME
+from tdgather.storage.segments import read_segment
+from tdgather.storage.writer import DatasetWriter
 
 from .cases import DepthMask, assert_same_value, value
 
@@ -99,14 +100,14 @@ class Opens:
 
     def __init__(self):
         self.paths = []
-        self._real = tdgather._index_check.safe_open
+        self._real = tdgather.storage.segments.safe_open
 
     def __call__(self, path, *args, **kw):
         self.paths.append(os.path.realpath(path))
         return self._real(path, *args, **kw)
 
     def __enter__(self):
-        self._patch = mock.patch.object(tdgather._index_check, "safe_open", self)
+        self._patch = mock.patch.object(tdgather.storage.segments, "safe_open", self)
         self._patch.start()
         return self
 
@@ -178,7 +179,7 @@ def test_opening_checks_no_shard_and_reading_checks_each_shard_once(tmp_path):
         ds["a"]
     out = save(tmp_path, frames(("a", "b")), name="ok")
     ds = tdgather.open(out)
-    with mock.patch.object(tdgather.reader, "check_shard", wraps=tdgather.reader.check_shard) as checks:
+    with mock.patch.object(tdgather.storage.reader, "check_shard", wraps=tdgather.storage.reader.check_shard) as checks:
         ds["a"], ds["b"], ds["a"]
     assert checks.call_count == 1
 
@@ -620,7 +621,7 @@ def test_json_lines_must_be_json_scalars(tmp_path, line, match):
 
 def test_a_tensorclass_that_no_longer_fits_is_a_dataset_error(tmp_path):
     out = save(tmp_path, nested())
-    cls = "tdgather.frames:Frames"  # imported, a tensorclass, with other fields
+    cls = "tdgather.core.frames:Frames"  # imported, a tensorclass, with other fields
     edit(out, lambda i: i["shards"][SHARD]["groups"]["g0"].update(cls=cls))
 
     def meta(m):
@@ -645,7 +646,7 @@ def base(tmp_path_factory):
     )
     w.write(nested())
     w.write(tdgather.gather({"a": [(j, value("a", j, (2,))) for j in (7, 4)], "../x": (1, torch.zeros(()))}))
-    return w.commit({"model": {"name": "m", "epochs": [1, 2]}, "note": None})
+    return w.commit({"user": {"model": {"name": "m", "epochs": [1, 2]}, "note": None}})
 
 
 _json_values = st.recursive(
@@ -1038,7 +1039,7 @@ def test_a_handle_never_reads_another_runs_rows_after_a_rewrite(tmp_path, how):
 
 
 def test_a_shard_closed_to_bound_open_files_is_checked_again_when_reopened(tmp_path, monkeypatch):
-    monkeypatch.setattr(tdgather.reader, "OPEN_SHARDS", 1)
+    monkeypatch.setattr(tdgather.storage.reader, "OPEN_SHARDS", 1)
     path = tdgather.save(run_frames(1), tmp_path / "ds", max_shard_bytes=SHARD_BYTES)
     ds = tdgather.open(path)
     assert old_or_refused(ds, "f00.jpg") == old_or_refused(ds, "f03.jpg") == "old"  # shard 1 open, shard 0 closed

@@ -1,4 +1,4 @@
-"""Resume (`Collector(resume=True)`, `tdgather.resume`): a failed run continued gives the uninterrupted
+"""Resume (`Collector(resume=True)`, `tdgather.storage.recovery`): a failed run continued gives the uninterrupted
 run's dataset bit for bit, in real gloo worlds where a rank, or rank dst while writing, is SIGKILLed."""
 
 import json
@@ -12,9 +12,9 @@ import torch
 
 import tdgather
 from tdgather.errors import DatasetError, OutputError, ProtocolError
-from tdgather.launch import WorldError, run_local_world
-from tdgather.resume import Saved, saved
-from tdgather.sink import INCOMPLETE_NAME
+from tdgather.format.names import INCOMPLETE_NAME
+from tdgather.storage.recovery import Saved, saved
+from tdgather.tools.launch import WorldError, run_local_world
 
 from . import resume_cases as rc
 from .cases import bits, plain_read
@@ -299,7 +299,7 @@ def test_the_lightning_writer_resumes(tmp_path):
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from tdgather.lightning import PredictionWriter
+    from tdgather.integrations.lightning import PredictionWriter
 
     from .lightning_cases import Elementwise, samples
 

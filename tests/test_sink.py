@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 import tdgather
-import tdgather.sink
-from tdgather._runs import add_runs, in_runs
-from tdgather.duplicates import DuplicateCounts
+from tdgather.core.duplicates import DuplicateCounts
+from tdgather.core.runs import add_runs, in_runs
 from tdgather.errors import OutputError
-from tdgather.sink import INDEX_NAME
+from tdgather.format.names import INCOMPLETE_NAME, INDEX_NAME
+from tdgather.storage.writer import DatasetWriter
 
 from .cases import MIXED, DepthMask, assert_same_value, bits, value
 
@@ -168,7 +168,7 @@ def test_a_user_directory_named_like_the_staging_directory_is_never_deleted(tmp_
 def test_a_file_that_appears_during_the_write_is_kept_with_the_old_dataset(tmp_path):
     result = tdgather.gather({"a": (0, torch.ones(1))})
     ds = tdgather.save(result, tmp_path / "ds")
-    w = tdgather.sink.DatasetWriter(ds, overwrite=True)
+    w = DatasetWriter(ds, overwrite=True)
     w.write(tdgather.gather({"b": (0, torch.ones(1))}))
     (ds / "notes.txt").write_text("mine")  # a user writes into the old dataset meanwhile
     with pytest.raises(OutputError, match="gained files tdgather did not write"):
@@ -219,7 +219,7 @@ def test_reading_one_filename_reads_only_its_rows(tmp_path):
 
 
 def test_incremental_writes_make_segments_and_drop_rewritten_duplicates(tmp_path):
-    w = tdgather.sink.DatasetWriter(tmp_path / "ds", max_shard_bytes=1 << 20)
+    w = DatasetWriter(tmp_path / "ds", max_shard_bytes=1 << 20)
     a = {j: value("a", j, (3,)) for j in range(6)}
     first = tdgather.gather({"a": [(j, a[j]) for j in (0, 2, 4)], "b": (0, value("b", 0))})
     second = tdgather.gather({"a": [(j, a[j]) for j in (1, 2, 5)], "c": (1, value("c", 1))})
@@ -240,23 +240,23 @@ def test_incremental_writes_make_segments_and_drop_rewritten_duplicates(tmp_path
 def test_rewritten_duplicates_follow_the_policy_against_the_disk(tmp_path):
     first = tdgather.gather({"a": [(0, torch.zeros(2)), (1, torch.ones(2))]})
     again = tdgather.gather({"a": [(0, torch.full((2,), 1e-6)), (1, torch.ones(2))]})  # one inexact, one exact
-    w = tdgather.sink.DatasetWriter(tmp_path / "keep")
+    w = DatasetWriter(tmp_path / "keep")
     w.write(first)
     w.write(again)
     assert w.duplicates == DuplicateCounts(exact=1, inexact=1, max_abs_diff=pytest.approx(1e-6))
     assert torch.equal(tdgather.open(w.commit())["a"].frames[0], torch.zeros(2))  # the copy on disk stays
-    w = tdgather.sink.DatasetWriter(tmp_path / "close", duplicates=tdgather.DuplicatePolicy("close", atol=1e-5))
+    w = DatasetWriter(tmp_path / "close", duplicates=tdgather.DuplicatePolicy("close", atol=1e-5))
     w.write(first)
     w.write(again)
     assert w.duplicates.inexact == 1
-    w = tdgather.sink.DatasetWriter(tmp_path / "tight", duplicates=tdgather.DuplicatePolicy("close", atol=1e-7))
+    w = DatasetWriter(tmp_path / "tight", duplicates=tdgather.DuplicatePolicy("close", atol=1e-7))
     w.write(first)
     with pytest.raises(tdgather.DuplicateFrameError, match=r"close \(rtol=1e-05, atol=1e-07\)"):
         w.write(again)
 
 
 def test_incremental_conflicts_raise_and_abort_keeps_committed_shards(tmp_path):
-    w = tdgather.sink.DatasetWriter(tmp_path / "ds", duplicates="exact")
+    w = DatasetWriter(tmp_path / "ds", duplicates="exact")
     w.write(tdgather.gather({"a": (0, torch.zeros(2))}), {"a": {0}})
     with pytest.raises(
         tdgather.DuplicateFrameError,
@@ -313,7 +313,7 @@ def test_a_shard_that_fails_to_become_durable_fails_the_commit_and_is_not_listed
             raise OSError(5, "Input/output error")
         return real(fd)
 
-    w = tdgather.sink.DatasetWriter(tmp_path / "ds", max_shard_bytes=1)
+    w = DatasetWriter(tmp_path / "ds", max_shard_bytes=1)
     monkeypatch.setattr(os, "fsync", fsync)
     w.write({"a.mp4": tdgather.Frames(frame_idx=torch.arange(2), frames=torch.ones(2, 3), batch_size=[2])})
     w.write({"b.mp4": tdgather.Frames(frame_idx=torch.arange(2), frames=torch.ones(2, 3), batch_size=[2])})
@@ -321,7 +321,7 @@ def test_a_shard_that_fails_to_become_durable_fails_the_commit_and_is_not_listed
         w.commit()
     monkeypatch.undo()
     partial = w.abort(RuntimeError("stopped"))
-    listing = json.loads((partial / tdgather.sink.INCOMPLETE_NAME).read_text())
+    listing = json.loads((partial / INCOMPLETE_NAME).read_text())
     assert list(listing["shards"]) == ["shard-00000.safetensors"] and list(listing["files"]) == ["a.mp4"]
-    assert sorted(p.name for p in partial.iterdir()) == ["shard-00000.safetensors", tdgather.sink.INCOMPLETE_NAME]
+    assert sorted(p.name for p in partial.iterdir()) == ["shard-00000.safetensors", INCOMPLETE_NAME]
     assert tdgather.open(partial, incomplete=True)["a.mp4"].frames.shape == (2, 3)

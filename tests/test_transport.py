@@ -8,12 +8,12 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather import transport
+from tdgather.api.gather import _send
+from tdgather.dist import transport
+from tdgather.dist.protocol import expect_done, read_frames
+from tdgather.dist.transport import Channel
+from tdgather.dist.wire import MAGIC, VERSION, Kind, Prelude, encode_json
 from tdgather.errors import PeerError
-from tdgather.gather import _send
-from tdgather.protocol import expect_done, read_frames
-from tdgather.transport import Channel
-from tdgather.wire import MAGIC, VERSION, Kind, Prelude, encode_json
 
 
 class FakeWire:
@@ -109,13 +109,12 @@ def test_bad_input_sends_error_message(wire):
 
 def test_side_gloo_group_is_made_once_for_nccl(monkeypatch):
     made = []
-    monkeypatch.setattr(transport, "_SIDE_GROUPS", {})
-    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: [0, 1, 2])
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: [0, 1, 2, 9])  # ranks no other group has
     monkeypatch.setattr(dist, "new_group", lambda ranks, backend, **kw: made.append((tuple(ranks), backend)) or "side")
     for backend in ("nccl", "cpu:gloo,cuda:nccl"):
         monkeypatch.setattr(dist, "get_backend", lambda g, b=backend: b)
         assert transport.transport_group("user-group") == "side"
-    assert made == [((0, 1, 2), "gloo")]
+    assert made == [((0, 1, 2, 9), "gloo")]
     monkeypatch.setattr(dist, "get_backend", lambda g: "gloo")
     assert transport.transport_group("user-group") == "user-group"
 

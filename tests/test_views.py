@@ -1,4 +1,4 @@
-"""`tdgather.views`: one item per frame (`FrameDataset`, a DataLoader) and Hugging Face datasets (`to_hf`)."""
+"""`tdgather.storage.views`: one item per frame (`FrameDataset`, a DataLoader) and Hugging Face datasets (`to_hf`)."""
 
 import pickle
 import re
@@ -11,8 +11,8 @@ from tensordict import TensorDictBase
 from torch.utils.data import DataLoader
 
 import tdgather
-from tdgather.sink import DatasetWriter
-from tdgather.views import ExportError, FrameDataset, collate_frames, frame_ranges
+from tdgather.storage.views import ExportError, FrameDataset, collate_frames, frame_ranges
+from tdgather.storage.writer import DatasetWriter
 
 V1 = Path(__file__).parent / "fixtures" / "v1_dataset"
 
@@ -66,7 +66,7 @@ def _same(got, want) -> None:
 
 def test_per_frame_equals_open(saved):
     ds = tdgather.open(saved)
-    assert len(ds._files["b.mp4"]["segments"]) == 2  # the case this is about
+    assert len(ds.index["files"]["b.mp4"]["segments"]) == 2  # the case this is about
     fd = ds.per_frame()
     want = _expected(ds)
     assert len(fd) == len(want) == 12

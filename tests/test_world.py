@@ -3,7 +3,7 @@
 import pytest
 
 import tdgather
-from tdgather.launch import run_local_world
+from tdgather.tools.launch import run_local_world
 
 from . import cases
 

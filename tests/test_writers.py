@@ -1,4 +1,4 @@
-"""One dataset from many writers (`Collector(ranks_per_writer=k)`, `tdgather.writers`), in real gloo worlds.
+"""One dataset from many writers (`Collector(ranks_per_writer=k)`, `tdgather.format.parts`), in real gloo worlds.
 
 Every multi-writer dataset is compared bit for bit with what one writer (rank 0) writes from the
 same frames: through `tdgather.open`, through plain safetensors following the index, and in the
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import tdgather
+from tdgather.core.ragged import Ragged
 from tdgather.errors import OutputError, ProtocolError
-from tdgather.launch import WorldError, run_local_world
-from tdgather.ragged import Ragged
-from tdgather.sink import DatasetWriter
-from tdgather.writers import check_part, check_run
+from tdgather.format.parts import check_part, check_run
+from tdgather.storage.writer import DatasetWriter
+from tdgather.tools.launch import WorldError, run_local_world
 
 from . import cases
 from . import resume_cases as rc

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_writers.py: one dataset from many writers (`tdgather.writers`)."""
+"""Rank functions for tests/test_writers.py: one dataset from many writers (`tdgather.format.parts`)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def case_writer_without_the_output(out: str) -> dict:
     """Rank 2, a writer, does not see rank 0's output directory (as a node without the shared filesystem)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 2:
-        from tdgather import sink
+        from tdgather.storage import writer as sink
 
         sink.staging_of = lambda target: Path(f"{target}.elsewhere")
     try:

@@ -1,0 +1,294 @@
+"""`Collector`: gather while the inference loop runs, with bounded memory on rank ``dst``.
+
+Call order, on every rank of the group:
+
+1. ``open()`` (entering the ``with`` block): every rank agrees on the call (call number,
+   dst, path: `tdgather.dist.transport.begin_call`); rank ``dst`` checks the output directory and
+   answers every peer ``done`` (ready) or ``error``. Nothing is sent before that.
+2. ``add()`` / ``update()`` in the loop: frames go into a `FrameStore`. Every
+   ``chunk_bytes`` the chunk is handed to a background thread, which packs and sends it.
+   A sender holds at most ``max_pending`` unsent chunks: a full queue makes ``add()`` wait.
+   An idle sender sends an empty ``data`` message every ``timeout / 4``, so that rank
+   ``dst`` can tell a slow rank from a stopped one.
+3. Rank ``dst`` receives every peer on its own thread. A writer thread buffers the parts
+   and, when the buffer passes its share of ``memory_budget``, merges it (lowest rank first,
+   duplicates by the policy) and commits shards (`DatasetWriter`). A filename may so span
+   several shards, as segments. Until it answers, rank ``dst`` sends every peer a heartbeat.
+4. ``close()`` (leaving the block): senders flush, send ``done`` and wait for rank ``dst``'s
+   answer for as long as it sends heartbeats (ranks may finish hours apart); rank ``dst``
+   writes the last shard and the index, answers each peer, and returns a `CollectorSummary`.
+
+On an error anywhere (an exception in the block, a failed or lost peer, Ctrl-C, or SIGTERM as
+SLURM, Kubernetes and torchrun send it: `tdgather.api.terminate`), every rank raises within the
+timeout. Rank ``dst`` answers ``error`` to every peer at once, writes everything
+that reached it (until each peer's stream ends) to ``<path>.partial``, lists it there in
+``tdgather.incomplete.json`` (read with ``tdgather.open(path, incomplete=True)``), and writes
+no index.
+
+With ``ranks_per_writer=k`` every block of k ranks has its own writer, its first rank, which
+plays rank ``dst``'s part for its block and, at close, reports its shards to rank ``dst``, which
+writes one index over all of them (`tdgather.format.parts`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from ..core.duplicates import DuplicatePolicy
+from ..core.metadata import user_metadata
+from ..dist.transport import Call, as_timeout, begin_call, resolve_dst, transport_group
+from ..storage.recovery import Saved
+from ..storage.sink import SinkFactory
+from ..storage.writer import DEFAULT_SHARD_BYTES
+from .streams import CollectorStatus, CollectorSummary, Destination, Sender, Settings
+from .terminate import SigtermAsExit
+
+__all__ = ["Collector", "CollectorStatus", "CollectorSummary"]
+
+log = logging.getLogger("tdgather")
+
+
+class Collector:
+    """Stream every rank's frames to rank ``dst`` during the loop; rank ``dst`` writes the dataset.
+
+    Example:
+        >>> with tdgather.Collector("out/epoch_3") as col:  # doctest: +SKIP
+        ...     for batch in loader:
+        ...         col.add(batch["filename"], batch["frame_idx"], model(batch["video"].cuda()))
+
+    Args:
+        path: the dataset directory (used on rank ``dst``; see `tdgather.save` for the layout).
+        dst: the global rank that receives and writes (as in ``torch.distributed``); with neither
+            ``dst`` nor ``group_dst``, global rank 0.
+        group: the process group (default: the world); NCCL groups get a side gloo group.
+        group_dst: instead of ``dst``, the receiving rank's rank within ``group``.
+        timeout: seconds of silence from another rank that count as a failure; default 30 minutes.
+            Busy ranks send heartbeats, so ranks may finish far apart.
+        overwrite: replace an existing tdgather dataset (or a failed run's leftovers), atomically,
+            when the new one is complete; any other non-empty directory is refused.
+        duplicates: copies of one ``(filename, frame_idx)``: ``"keep"`` one (the default),
+            ``"exact"``, or ``DuplicatePolicy("close", rtol=..., atol=...)``; see `tdgather.api.gather`.
+        copy: copy CPU frames given to ``add`` (default), so the loop may reuse its buffers; with
+            False they are sent from the caller's tensors, which must then not change.
+        memory_budget: bytes rank ``dst`` may hold above its baseline (default 1 GiB).
+        chunk_bytes: a sender sends its frames every this many bytes (default from the budget).
+        max_pending: unsent chunks a rank may hold before ``add()`` waits.
+        max_shard_bytes: the largest shard rank ``dst`` writes.
+        progress: a progress bar on rank ``dst``; default: only when stderr is a terminal.
+        log_summary: log the summary (logger ``"tdgather"``) when closing.
+        metadata: your JSON values (numpy scalars are converted), stored in the index as
+            ``metadata["user"]``, beside tdgather's own keys, which never replace yours.
+        resume: continue a run that failed (or finished): keep what ``<path>.partial`` (or ``path``)
+            holds, give every rank ``saved`` to skip it, drop frames sent again by the duplicates
+            policy, and record each attempt in the index. Nothing saved: a fresh run.
+        ranks_per_writer: one writer per block of this many consecutive ranks (a node: torchrun's
+            ``LOCAL_WORLD_SIZE``), instead of rank ``dst`` alone. Each block's first rank receives its
+            block's frames and writes them as shards of its own into ``<path>.partial``, which every
+            writer must see (a shared filesystem); at close rank ``dst`` (a writer: a multiple of
+            this) writes one index over all of them. See `tdgather.storage.combine`.
+        sink: makes the `tdgather.storage.sink.Sink` that writes, on rank dst and on each writer; it
+            is called with `tdgather.storage.writer.DatasetWriter`'s keywords. Default: that class, on
+            the local filesystem. Tests pass one that counts, slows or fails a step.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        dst: int | None = None,
+        group: Any = None,
+        group_dst: int | None = None,
+        timeout: float | timedelta | None = None,
+        overwrite: bool = False,
+        duplicates: str | DuplicatePolicy = "keep",
+        copy: bool = True,
+        memory_budget: int = 1 << 30,
+        chunk_bytes: int | None = None,
+        max_pending: int = 2,
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+        progress: bool | None = None,
+        log_summary: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+        resume: bool = False,
+        ranks_per_writer: int | None = None,
+        sink: SinkFactory | None = None,
+    ) -> None:
+        for name, value, low in (("memory_budget", memory_budget, 1), ("max_pending", max_pending, 1)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 1):
+            expected = "None (derived from the budget) or an integer >= 1"
+            raise ValueError(f"chunk_bytes: expected {expected}, got {chunk_bytes!r}")
+        if dst is not None and group_dst is not None:
+            resolve_dst(None, dst, group_dst)  # raises: only one of them
+        self.path, self.group = Path(path), group
+        self._dst_args = (dst, group_dst)
+        self.dst = 0  # the receiving rank within the group, known once open
+        self.timeout = as_timeout(timeout)
+        self.overwrite, self.memory_budget, self.max_pending = overwrite, memory_budget, max_pending
+        self.resume = resume
+        self.metadata = user_metadata(metadata)  # on every rank, before any work: a bad value names its key
+        self.max_shard_bytes, self.progress, self.log_summary = max_shard_bytes, progress, log_summary
+        self.duplicates, self.copy = DuplicatePolicy.of(duplicates), copy
+        if ranks_per_writer is not None and (type(ranks_per_writer) is not int or ranks_per_writer < 1):
+            raise ValueError(f"ranks_per_writer: expected None or an integer >= 1, got {ranks_per_writer!r}")
+        self.ranks_per_writer = ranks_per_writer
+        self.sink = sink
+        self._chunk_bytes = chunk_bytes
+        self._side: Sender | Destination | None = None
+        self._call: Call | None = None
+        self._saved: Saved | None = None
+        self._sigterm = SigtermAsExit()
+        self.summary: CollectorSummary | None = None  # set by close() on rank dst
+
+    def open(self) -> Collector:
+        """Start collecting (what entering the ``with`` block does). Called by every rank."""
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
+        pg = transport_group(self.group) if distributed else None
+        rank, world = (dist.get_rank(pg), dist.get_world_size(pg)) if distributed else (0, 1)
+        self.dst = resolve_dst(self.group, *self._dst_args) if distributed else 0
+        k = self._block(world)
+        block = [p for p in range(rank - rank % k, min(rank - rank % k + k, world)) if p != rank]
+        chunk = self._chunk_bytes or min(64 << 20, max(256 << 10, self.memory_budget // (8 * (world + 1))))
+        settings = Settings(
+            path=self.path,
+            dst=self.dst,
+            timeout=self.timeout,
+            overwrite=self.overwrite,
+            duplicates=self.duplicates,
+            copy=self.copy,
+            memory_budget=self.memory_budget,
+            chunk_bytes=chunk,
+            max_pending=self.max_pending,
+            max_shard_bytes=self.max_shard_bytes,
+            progress=self.progress,
+            metadata=self.metadata,
+            peers=world - 1,
+            resume=self.resume,
+            sink=self.sink,
+        )
+        if not distributed:
+            self._side = Destination(settings, None, rank, [])
+            self._saved = self._side.saved
+            self._sigterm.install()
+            return self
+        kind = "Collector" if k >= world else f"Collector(ranks_per_writer={k})"  # every rank must agree on k
+        self._call = begin_call(pg, kind, self.dst, self.timeout, str(self.path))
+        try:
+            if k >= world:  # one writer: rank dst
+                if rank == self.dst:
+                    self._side = Destination(settings, self._call, rank, [p for p in range(world) if p != rank])
+                else:
+                    self._side = Sender(settings, self._call)
+            else:
+                self._side = self._open_writers(settings, rank, world, k, block)
+        except BaseException:
+            self._end_call()
+            raise
+        self._saved = self._side.saved
+        self._sigterm.install()  # SIGTERM now keeps what this rank holds, as Ctrl-C does
+        return self
+
+    def _block(self, world: int) -> int:
+        """Ranks per writer in a group of ``world`` ranks (all of them: rank dst alone)."""
+        k = min(self.ranks_per_writer or world, world)
+        if k < world and self.dst % k:
+            raise ValueError(
+                f"dst: with ranks_per_writer={k}, rank dst coordinates the writers and must be one of them "
+                f"(a multiple of {k}), got {self.dst}"
+            )
+        return k
+
+    def _open_writers(self, settings: Settings, rank: int, world: int, k: int, block: list[int]) -> Any:
+        """This rank's side with one writer per block of k ranks: the coordinator, a writer, or a sender to one."""
+        if rank == self.dst:
+            writers = {w: w // k for w in range(0, world, k) if w != rank}
+            peers = sorted({*block, *writers})
+            return Destination(replace(settings, peers=len(peers)), self._call, rank, peers, rank // k, writers)
+        if rank % k:
+            return Sender(replace(settings, dst=rank - rank % k), self._call)
+        up = Sender(replace(settings, peers=1), self._call, relay=True)  # waits for the coordinator's ready
+        try:
+            side = Destination(replace(settings, dst=rank, peers=len(block)), self._call, rank, block, rank // k, up=up)
+        except BaseException as e:
+            up.abort(e)
+            raise
+        up.on_fail = side._fail
+        if up.failure is not None:
+            side._fail(up.failure)
+        return side
+
+    def status(self) -> CollectorStatus:
+        """A snapshot of this rank's progress: frames received and shards written (rank dst), or back-pressure."""
+        return self._active().status()
+
+    @property
+    def saved(self) -> Saved:
+        """What earlier attempts of a resumed run saved (`tdgather.storage.recovery.Saved`), the same on every rank.
+
+        Empty for a fresh run. Skip it when building the loader: ``col.saved.todo(samples, key=...)``.
+        """
+        if self._saved is None:
+            raise RuntimeError("Collector is not open: `saved` is known once it opens (the `with` line)")
+        return self._saved
+
+    def add(self, filenames: str | Sequence[str], frame_idx: Any, frames: Any, *, ragged: Any = ()) -> None:
+        """Add a batch of B frames (as `FrameStore.add`); returns quickly, waits only on back-pressure."""
+        self._active().add(filenames, frame_idx, frames, ragged=ragged)
+
+    def update(self, predictions: Mapping[str, Any], *, ragged: Any = ()) -> None:
+        """Add ``{filename: (frame_idx, value)}`` or a list of such pairs per filename (as `FrameStore.update`)."""
+        self._active().update(predictions, ragged=ragged)
+
+    def close(self) -> CollectorSummary | None:
+        """Flush and finish; on rank ``dst`` write the index and return the summary, elsewhere None."""
+        side, self._side = self._active(), None
+        try:
+            summary = side.close()
+        except BaseException as e:
+            side.abort(e)
+            raise
+        finally:
+            self._end_call()
+        if summary is not None:
+            self.summary = summary
+            if self.log_summary:
+                log.info("%s", self.summary)
+        return self.summary
+
+    def abort(self, exc: BaseException) -> None:
+        """Stop because of ``exc``: tell every rank; rank dst keeps what reached it, and writes no index."""
+        side, self._side = self._side, None
+        try:
+            if side is not None:
+                side.abort(exc)
+        finally:
+            self._end_call()
+
+    def _end_call(self) -> None:
+        self._sigterm.remove()
+        if self._call is not None:
+            self._call.end()
+            self._call = None
+
+    def __enter__(self) -> Collector:
+        return self.open()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.abort(exc)
+
+    def _active(self) -> Sender | Destination:
+        if self._side is None:
+            raise RuntimeError("Collector is not open: use it as `with Collector(...) as col:` or call open()")
+        return self._side

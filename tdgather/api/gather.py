@@ -1,0 +1,501 @@
+"""`gather`: every rank's predictions to one CPU process, without pickle.
+
+Call order, on every rank of the group:
+
+1. every rank agrees on the call (`tdgather.dist.transport.begin_call`: call number, dst);
+2. each sender posts its frames (`tdgather.dist.pack`, `tdgather.dist.protocol.send_frames`): a data
+   message with its frame index, the pieces, then ``done`` (or ``error`` when its own input
+   was bad); then it waits for rank ``dst``'s answer (past its heartbeats), then for its sends;
+3. rank ``dst`` reads every peer's data message on the peer's own thread (receives name their
+   source) and sends heartbeats to the peers;
+4. with every frame index in hand, rank ``dst`` plans every row's place (`tdgather.core.plan`) and
+   allocates the result once; each peer's pieces then land there, straight into place where
+   their rows form one run, else through two reused buffers and a scatter that overlaps the
+   next piece's transfer; rank ``dst``'s own frames are scattered meanwhile;
+5. rank ``dst`` compares duplicates (`tdgather.core.duplicates` policy) and answers each peer
+   ``done`` or ``error``, so a failure anywhere raises on every rank instead of hanging;
+6. rank ``dst`` returns a `Gathered` mapping, whose `Frames` are built on first access; the
+   others return None.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..core.duplicates import DuplicateCounts, DuplicatePolicy
+from ..core.frames import Frames
+from ..core.gcpause import collection_paused
+from ..core.merge import merge
+from ..core.plan import Group, Mismatches, Part, Placement, keep_first_layouts, place, scatter_chunks
+from ..core.ragged import values_of
+from ..core.rows import run_start, scatter_rows
+from ..core.store import FrameStore, as_store
+from ..dist.pack import pack
+from ..dist.protocol import Joiner, as_bytes, end_stream, expect_done, read_frames, read_pieces, send_frames
+from ..dist.transport import (
+    Answers,
+    Channel,
+    as_timeout,
+    begin_call,
+    heartbeat_interval,
+    peer_error,
+    resolve_dst,
+    transport_group,
+)
+from ..dist.wire import DataHeader, Kind, error_header
+from ..errors import FrameConflictError, PeerLostError, ProtocolError, TdgatherError
+
+__all__ = ["GatherStats", "Gathered", "gather"]
+
+
+@dataclass(frozen=True)
+class GatherStats:
+    """What one `gather` moved.
+
+    Attributes:
+        frames: frames in the result.
+        bytes: tensor bytes received (every copy, duplicates included).
+        duplicates_dropped: copies of a frame dropped (``duplicates.exact + duplicates.inexact``).
+        frames_per_rank: frames each rank sent.
+        seconds: the call's duration on rank ``dst``.
+        duplicates: the copies dropped, exact and inexact, with the largest absolute difference.
+    """
+
+    frames: int
+    bytes: int
+    duplicates_dropped: int
+    frames_per_rank: dict[int, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
+
+
+class Gathered(Mapping[str, Frames]):
+    """The gathered ``{filename: Frames}``, sorted by filename, with ``stats``.
+
+    The frames are held per layout, columnar (``groups``, as rank dst placed them); a filename's
+    `Frames` (views of those buffers) is built when it is first accessed. `tdgather.save` writes
+    the groups as they are.
+    """
+
+    def __init__(self, groups: list[Group], stats: GatherStats | None = None) -> None:
+        self.groups = groups
+        where = {name: (g, i) for g in groups for i, name in enumerate(g.files)}
+        self._where = dict(sorted(where.items()))
+        self._built: dict[str, Frames] = {}
+        self.stats = stats or GatherStats(0, 0, 0)
+
+    def __getitem__(self, name: str) -> Frames:
+        frames = self._built.get(name)
+        if frames is None:
+            group, i = self._where[name]
+            frames = self._built[name] = group.frames(i)
+        return frames
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __repr__(self) -> str:
+        return f"Gathered({len(self)} filenames, {self.stats.frames} frames)"
+
+
+def gather(
+    predictions: FrameStore | Mapping[str, Any],
+    *,
+    dst: int | None = None,
+    group: Any = None,
+    group_dst: int | None = None,
+    timeout: float | timedelta | None = None,
+    duplicates: str | DuplicatePolicy = "keep",
+    ragged: bool | str | Iterable[str] = (),
+) -> Gathered | None:
+    """Gather every rank's frames to rank ``dst``, as CPU tensors, ordered per filename.
+
+    Args:
+        predictions: ``{filename: (frame_idx, value)}``, ``{filename: [(frame_idx, value), ...]}``
+            or a `FrameStore`. Values are tensors (CPU or CUDA), or dicts / TensorDicts /
+            tensorclasses of tensors. Any rank may hold nothing.
+        dst: the global rank that receives (as in ``torch.distributed.gather``); with neither
+            ``dst`` nor ``group_dst``, global rank 0.
+        group: the process group (default: the world). NCCL groups get a side gloo group.
+        group_dst: instead of ``dst``, the receiver's rank within ``group``.
+        timeout: seconds (or a timedelta) any single wait may take; default 30 minutes. Every rank
+            must enter ``gather`` within it of the others (ranks that finish far apart: use a
+            `Collector`). Once a rank has sent, it waits for rank ``dst`` as long as that is alive.
+        duplicates: what to do with copies of one ``(filename, frame_idx)``: ``"keep"`` one (the
+            lowest rank's) and count it, ``"exact"`` (raise on any bit difference), or
+            ``DuplicatePolicy("close", rtol=..., atol=...)`` (raise beyond the tolerance).
+        ragged: for a dict of predictions, the leaves whose first dim changes from frame to frame
+            (boxes ``[N_i, 4]``): dotted keys, or True for every leaf (`FrameStore.add` explains).
+
+    Returns:
+        On ``dst``, a `Gathered` dict ``{filename: Frames}``; elsewhere None. With torch.distributed
+        not initialised, or one rank, the local frames, with no distributed calls.
+
+    Raises:
+        PeerError: a rank failed (its error type and message are carried); PeerLostError if it died
+            or stopped answering. Other ranks see a PeerError naming ``dst``.
+        ProtocolError: a peer's bytes broke the wire contract.
+        ShapeMismatchError, DuplicateFrameError: frames of a filename do not agree.
+        CallMismatchError: the ranks are not in the same call (another ``dst``, a skipped call).
+        UnsupportedValueError: a value tdgather cannot carry (raised where it was given).
+
+        On ``dst``, every error from a peer or from merging carries in ``.received`` every frame
+        that did arrive (merged with the ``"keep"`` policy), so nothing received is lost.
+    """
+    start = time.perf_counter()
+    wait = as_timeout(timeout)
+    policy = DuplicatePolicy.of(duplicates)
+    dst = resolve_dst(group, dst, group_dst)  # from here on, a rank of the group
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        with collection_paused():
+            return Receive(predictions, 0, {}, policy, start, ragged=ragged).local()
+    pg = transport_group(group)
+    rank, world = dist.get_rank(pg), dist.get_world_size(pg)
+    call = begin_call(pg, "gather", dst, wait)
+    try:
+        if rank != dst:
+            _send(predictions, call.channel(dst), ragged)
+            return None
+        channels = {p: call.channel(p) for p in range(world) if p != rank}
+        answers = Answers(channels, heartbeat_interval(wait)).start()
+        try:
+            grace = wait.total_seconds() / 2
+            with collection_paused():
+                return Receive(predictions, rank, channels, policy, start, grace, ragged).run(answers)
+        finally:
+            answers.stop()
+    finally:
+        call.end()
+
+
+def _send(predictions: Any, ch: Channel, ragged: Any = ()) -> None:
+    failure = None
+    try:
+        with collection_paused():
+            packed = pack(as_store(predictions, ragged))
+    except Exception as e:  # bad input here: tell dst, so nobody waits for frames that never come
+        failure = e
+    try:
+        if failure is not None:
+            works = end_stream(ch, error=failure)
+        else:
+            works = send_frames(ch, packed, Joiner(reuse=False))
+            works += end_stream(ch, packed.frames)
+        # dst answers once it has read every stream (heartbeats until then), or at once when it
+        # has failed: then the sends may never complete, so the answer is read first, and they after
+        answer = ch.recv_answer()
+        if answer.kind == Kind.DONE:
+            ch.wait(works, "sending to the destination")
+    except TdgatherError:
+        if failure is not None:  # the user's own error matters more than the lost destination
+            raise failure from None
+        raise
+    if failure is not None:
+        raise failure
+    if answer.kind == Kind.ERROR:
+        raise peer_error(ch.peer, answer.header)
+
+
+class Receive:
+    """Rank dst's side of one gather: read the frame indexes, place, land the pieces, answer."""
+
+    def __init__(
+        self,
+        predictions: Any,
+        rank: int,
+        channels: dict[int, Channel],
+        policy: Any,
+        start: float,
+        grace: float = 0.0,
+        ragged: Any = (),
+    ) -> None:
+        self.predictions, self.ragged, self.rank, self.channels = predictions, ragged, rank, channels
+        self.policy, self.start = policy, start
+        self.errors: dict[int, BaseException] = {}
+        self.parts: dict[int, list[Part]] = {r: [] for r in sorted([rank, *channels])}
+        self.planned = {p: threading.Event() for p in channels}
+        self.decided = threading.Event()  # every frame index is in (or one is late): pieces may come
+        self.placed = threading.Event()
+        self.placements: list[tuple[Placement, list[Part]]] = []
+        self.buffers: list[list[torch.Tensor]] = []
+        self.landed: list[torch.Tensor] = []
+        # (rank, id(part)) -> placement, its rows' places, each leaf's row places (`Placement.leaf_dest`)
+        self.dest: dict[tuple[int, int], tuple[int, torch.Tensor, list[torch.Tensor]]] = {}
+        self.discard = False  # placing failed: read the pieces only to keep the streams in step
+        self.mismatches: Mismatches = {}  # filenames sent with two layouts: the first rank's is kept
+        # a frame index still missing after this long: every peer's pieces are received as they
+        # come and merged at the end, so that a straggler's timeout (which closes every gloo pair
+        # of this rank) cannot cost the others' frames
+        self.grace = grace
+        self.late = False
+
+    def local(self) -> Gathered:
+        """No peers: place and merge rank dst's own frames."""
+        self.parts[self.rank] = as_store(self.predictions, self.ragged).parts(self.rank)
+        self._place()
+        self._land_local()
+        return self._result()
+
+    def run(self, answers: Answers) -> Gathered:
+        with ThreadPoolExecutor(max_workers=len(self.channels), thread_name_prefix="tdgather-recv") as pool:
+            futures = {peer: pool.submit(self._read_peer, peer) for peer in self.channels}
+            try:
+                self.parts[self.rank] = as_store(self.predictions, self.ragged).parts(self.rank)
+            except Exception as e:
+                self.errors[-1] = e
+            deadline = time.monotonic() + self.grace
+            for event in self.planned.values():
+                event.wait(max(0.0, deadline - time.monotonic()))
+            self.late = not all(event.is_set() for event in self.planned.values())
+            self.decided.set()
+            try:
+                if not self.late:
+                    self._place()
+            except Exception as e:
+                self.errors.setdefault(-1, e)
+                self.discard = True
+            self.placed.set()
+            if not (self.discard or self.late):
+                self._land_local()
+            for peer, fut in futures.items():
+                try:
+                    fut.result()
+                except Exception as e:
+                    self.errors[peer] = e
+                    if isinstance(e, PeerLostError):
+                        answers.lost.add(peer)  # its pair is unusable
+        result = None
+        if not self.discard:
+            try:  # also after a peer's failure: the error carries what arrived
+                result = self._result()
+            except FrameConflictError as e:
+                self.errors.setdefault(-1, e)
+                self.policy = DuplicatePolicy("keep")  # keep what arrived, one copy per frame
+                result = self._result()
+            except Exception as e:
+                self.errors.setdefault(-1, e)
+        if self.mismatches:
+            self.errors.setdefault(-1, next(iter(self.mismatches.values()))[1])
+        failure = self.errors[min(self.errors, key=lambda r: (r < 0, r))] if self.errors else None
+        if failure is None:
+            answers.answer_all(Kind.DONE, lambda peer: {"frames": sum(p.num_frames for p in self.parts[peer])})
+        else:
+            answers.answer_all(Kind.ERROR, error_header(failure))
+        if failure is not None:
+            if isinstance(failure, TdgatherError):
+                failure.received = result  # nothing received is lost: the caller can still save it
+            raise failure
+        return result
+
+    def _read_peer(self, peer: int) -> None:
+        ch = self.channels[peer]
+        try:
+            msg = ch.recv()
+            if msg.kind == Kind.ERROR:
+                raise peer_error(peer, msg.header)
+            if msg.kind != Kind.DATA:
+                raise ProtocolError(peer, "prelude.kind", f"expected data (1) or error (3), got {int(msg.kind)}")
+            self.parts[peer] = [
+                Part(peer, g.layout, list(msg.header.files), ids, idx, list(g.json), lengths=lengths)
+                for g, (ids, idx, lengths) in zip(msg.header.groups, msg.index, strict=True)
+            ]
+        finally:
+            self.planned[peer].set()
+        self.decided.wait()
+        if self.late:  # no placement (a frame index came late): receive as it comes, merge at the end
+            try:
+                self.parts[peer] = read_frames(ch, msg)
+            except BaseException:
+                self.parts[peer] = []  # what it sent is not whole
+                raise
+        else:
+            landing = Landing(self, peer, msg.header)
+            try:
+                read_pieces(ch, msg.header, landing.land)
+            except BaseException:
+                landing.finish(last_whole=False)  # what arrived whole still lands
+                raise
+            landing.finish()
+        expect_done(ch, ch.recv(), msg.header.num_frames)
+
+    def _place(self) -> None:
+        parts = [p for r in sorted(self.parts) for p in self.parts[r]]  # lowest rank first
+        self.placements = place(parts, self.mismatches)
+        for k, (placement, members) in enumerate(self.placements):
+            self.buffers.append(placement.allocate())
+            self.landed.append(torch.zeros(placement.num_frames + placement.kept.numel(), dtype=torch.bool))
+            for part, dest, leaf_dest in zip(members, placement.dest, placement.leaf_dest, strict=True):
+                self.dest[(part.rank, id(part))] = (k, dest, leaf_dest)
+
+    def _land_local(self) -> None:
+        for part in self.parts[self.rank]:
+            k, dest, leaf_dest = self.dest.get((self.rank, id(part)), (None, None, None))
+            if k is not None:
+                scatter_chunks(self.buffers[k], leaf_dest, part.chunks)
+                self.landed[k][dest] = True
+
+    def _result(self) -> Gathered:
+        if self.late:
+            parts = [p for r in sorted(self.parts) for p in self.parts[r]]  # lowest rank first
+            merged = merge(parts, self.policy, mismatches=self.mismatches)
+            return self._gathered(merged.groups, merged.duplicates)
+        groups, found = [], DuplicateCounts()
+        for (placement, _), buffers, landed in zip(self.placements, self.buffers, self.landed, strict=True):
+            if bool(landed.all()):
+                found += placement.check_duplicates(buffers, self.policy)
+                groups.append(placement.group(buffers))
+            else:  # a peer failed part-way: what landed, one copy per frame
+                groups.append(placement.salvage(buffers, landed))
+        return self._gathered(keep_first_layouts(groups, self.mismatches), found)
+
+    def _gathered(self, groups: list[Group], found: DuplicateCounts) -> Gathered:
+        per_rank = {r: sum(p.num_frames for p in ps) for r, ps in self.parts.items()}
+        all_parts = [p for ps in self.parts.values() for p in ps]
+        stats = GatherStats(
+            frames=sum(g.num_frames for g in groups),
+            bytes=sum(p.nbytes for p in all_parts),
+            duplicates_dropped=found.dropped,
+            frames_per_rank=per_rank,
+            seconds=time.perf_counter() - self.start,
+            duplicates=found,
+        )
+        return Gathered(groups, stats)
+
+
+class Landing:
+    """Where one peer's pieces land: straight into place, or into two staging buffers and scattered.
+
+    Pieces that come while rank dst is still placing (every frame index is in) are received into
+    new buffers, up to `EARLY_BYTES`, and scattered once the placement is known: the transfer
+    overlaps the placement instead of waiting for it.
+    """
+
+    EARLY_BYTES = 32 << 20
+
+    def __init__(self, receive: Receive, peer: int, header: DataHeader) -> None:
+        self.receive, self.peer = receive, peer
+        self.parts = receive.parts[peer]
+        # the rows of a group count as landed with their last leaf that has pieces
+        self.last = [max((j for j, c in enumerate(g.pieces) if c), default=-1) for g in header.groups]
+        self.staging = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self.turn = 0
+        self.early: list[tuple[int, int, int, int, torch.Tensor]] = []
+        self.early_bytes = 0
+        self.started = False
+        self.ends: dict[int, torch.Tensor] = {}  # group -> where each frame's rows end in its last leaf (ragged)
+
+    def _start(self) -> None:
+        """Once placed: groups with no pieces (no tensor bytes) have landed with their data message."""
+        self.started = True
+        for g, last in enumerate(self.last):
+            if last < 0 and not self.receive.discard:
+                k, dest, _ = self.receive.dest[(self.peer, id(self.parts[g]))]
+                self.receive.landed[k][dest] = True
+
+    def finish(self, last_whole: bool = True) -> None:
+        """After the last piece: what came early is scattered, now that the placement is known.
+
+        ``last_whole=False`` (the stream failed): the last piece asked for may not have arrived whole.
+        """
+        self.receive.placed.wait()
+        if not self.started:
+            self._start()
+        if not last_whole and self.early:
+            self.early.pop()
+        if not self.receive.discard:
+            for g, j, first, rows, into in self.early:
+                self._land_rows(g, j, first, rows, into)
+        self.early = []
+
+    def _land_rows(self, g: int, j: int, first: int, rows: int, into: torch.Tensor) -> None:
+        """Scatter rows received into ``into`` to their places."""
+        leaf = self.parts[g].layout.leaves[j]
+        k, dest, leaf_dest = self.receive.dest[(self.peer, id(self.parts[g]))]
+        d = leaf_dest[j][first : first + rows]
+        scatter_rows(values_of(self.receive.buffers[k][j]), d, into.view(leaf.dtype).view(rows, *leaf.shape))
+        _mark(self.receive.landed[k], self._done(g, j, first, rows, dest))
+
+    def _done(self, g: int, j: int, first: int, rows: int, dest: torch.Tensor) -> torch.Tensor | None:
+        """The places of the frames whose last bytes are rows ``first .. first + rows - 1`` of leaf ``j``.
+
+        A frame has landed with its last leaf that has pieces; of a ragged leaf, ``rows`` are
+        value rows, and a frame is in once its values have all come (its end is inside the piece).
+        """
+        if j != self.last[g]:
+            return None
+        part = self.parts[g]
+        if not part.layout.leaves[j].ragged:
+            return dest[first : first + rows]
+        if g not in self.ends:
+            self.ends[g] = torch.cumsum(part.lengths[j], 0)
+        ends = self.ends[g]
+        lo = int(torch.searchsorted(ends, first, right=True)) if first else 0
+        return dest[lo : int(torch.searchsorted(ends, first + rows, right=True))]
+
+    def land(self, g: int, j: int, first: int, rows: int) -> tuple[torch.Tensor, Any]:
+        leaf = self.parts[g].layout.leaves[j]
+        nbytes = rows * leaf.row_nbytes
+        if not self.started:
+            if not self.receive.placed.is_set() and self.early_bytes + nbytes <= self.EARLY_BYTES:
+                into = torch.empty(nbytes, dtype=torch.uint8)
+                self.early.append((g, j, first, rows, into))
+                self.early_bytes += nbytes
+                return into, None
+            self.receive.placed.wait()
+            self._start()
+            if self.early and not self.receive.discard:
+                into, then = self._land_now(g, j, first, rows, leaf, nbytes)
+                early, self.early = self.early, []
+
+                def both() -> None:
+                    for args in early:
+                        self._land_rows(*args)
+                    if then is not None:
+                        then()
+
+                return into, both
+            self.early = []
+        return self._land_now(g, j, first, rows, leaf, nbytes)
+
+    def _land_now(self, g: int, j: int, first: int, rows: int, leaf: Any, nbytes: int) -> tuple[torch.Tensor, Any]:
+        if not self.receive.discard:
+            k, dest, leaf_dest = self.receive.dest[(self.peer, id(self.parts[g]))]
+            d = leaf_dest[j][first : first + rows]
+            buf, landed = values_of(self.receive.buffers[k][j]), self.receive.landed[k]
+            mark = self._done(g, j, first, rows, dest)
+            start = run_start(d)
+            if start is not None:  # one run: straight into place
+                return as_bytes(buf[start : start + rows]), lambda: _mark(landed, mark)
+        i = self.turn
+        self.turn ^= 1
+        if self.staging[i].numel() < nbytes:
+            self.staging[i] = torch.empty(nbytes, dtype=torch.uint8)
+        into = self.staging[i][:nbytes]
+        if self.receive.discard:
+            return into, None
+
+        def scatter() -> None:
+            scatter_rows(buf, d, into.view(leaf.dtype).view(rows, *leaf.shape))
+            _mark(landed, mark)
+
+        return into, scatter
+
+
+def _mark(landed: torch.Tensor, rows: torch.Tensor | None) -> None:
+    if rows is not None:
+        landed[rows] = True

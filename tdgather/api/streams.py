@@ -1,0 +1,667 @@
+"""The two sides of a `tdgather.Collector`: the senders' pipeline and rank dst's receive-and-write.
+
+`Sender` (every rank but dst) keeps the current chunk, a bounded queue of chunks to send, a
+thread that packs and sends them (with heartbeats when idle), and a thread that waits for rank
+dst's answer. `Destination` (rank dst) receives each peer on its own thread, into buffers
+reused from a `tdgather.core.pool.BufferPool`, and queues the chunks in a bounded inbox; a writer
+thread plans each spill (`tdgather.core.merge`, rows by reference where they are large) and writes
+its rows in order straight from those buffers, while the previous shard is fsynced on the
+sink's thread; then the buffers go back to the pool. The call order is in `tdgather.api.collector`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import queue
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from ..core.duplicates import DuplicateCounts, DuplicatePolicy
+from ..core.merge import merge
+from ..core.metadata import USER_KEY
+from ..core.plan import Mismatches
+from ..core.pool import BufferPool
+from ..core.store import FrameStore
+from ..dist.pack import pack
+from ..dist.protocol import Joiner, end_stream, expect_done, read_frames, send_frames
+from ..dist.transport import Answers, Call, heartbeat_interval, peer_error
+from ..dist.wire import HEARTBEAT, Kind, error_header
+from ..errors import DuplicateFrameError, PeerError, PeerLostError, ProtocolError
+from ..format.parts import check_part, check_run, counts_of
+from ..storage.recovery import Saved
+from ..storage.sink import SinkFactory
+from ..storage.writer import DatasetWriter
+
+__all__ = ["CollectorStatus", "CollectorSummary", "Destination", "Sender", "Settings"]
+
+_POLL = 0.1  # seconds between the send thread's looks at dst's answer while idle
+_AFTER_ANSWER = 5.0  # seconds a sender still waits for its sends once dst has answered
+_CLOSE = object()
+# What merging a buffer costs per frame beyond its bytes (sort keys, permutations, masks, int64
+# indices): about 100 bytes. Counted against the budget, so that tiny frames respect it too.
+_MERGE_BYTES_PER_FRAME = 128
+_MERGE_BYTES_PER_VALUE_ROW = 24  # a ragged leaf's value row: its int64 place, source chunk and row
+# What writing a spill costs per filename beyond its frames: its name in the merge's tables, its
+# views and segment while its shard is written (about 1.5 KB, measured with 300,000 one-frame
+# filenames). Counted, so that a spill of many small files stays within the budget too.
+_WRITE_BYTES_PER_FILE = 1536
+_CHUNK_BYTES_PER_FILE = 512  # a filename in a chunk: in the store, the wire header, rank dst's parsed copy
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A Collector's settings, fixed when it opens: all that `Sender` and `Destination` read.
+
+    The budget on rank dst, in chunks c: one payload per receiver (``peers``) + the inbox
+    (``max_pending``) + the spill (``spill_bytes`` + c) + a merge's copy of small rows (spill + c).
+    With the default c = budget / (8 (W + 1)) that is at most budget / 4 + 0.7 budget.
+    """
+
+    path: Path
+    dst: int
+    timeout: timedelta
+    overwrite: bool
+    duplicates: DuplicatePolicy
+    copy: bool
+    memory_budget: int
+    chunk_bytes: int
+    max_pending: int
+    max_shard_bytes: int
+    progress: bool | None
+    metadata: Mapping[str, Any]
+    peers: int  # ranks that send to dst
+    resume: bool = False
+    sink: SinkFactory | None = None  # makes rank dst's (and each writer's) sink; default DatasetWriter
+
+    @property
+    def spill_bytes(self) -> int:
+        """Bytes rank dst buffers before it writes them."""
+        return max(self.chunk_bytes, self.memory_budget * 35 // 100)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Received buffers kept for reuse: at most the spill and every chunk in flight."""
+        return self.spill_bytes + (self.max_pending + self.peers) * self.chunk_bytes
+
+
+@dataclass(frozen=True)
+class CollectorStatus:
+    """A snapshot of an open `Collector`, on any rank (`Collector.status`).
+
+    Attributes:
+        frames_received: on rank dst (or a block's writer), the frames received so far from each
+            rank (its own included); elsewhere empty.
+        shards: shards written so far (rank dst, a writer); else 0.
+        pending_peak: on a sender, the most chunks it has held unsent at once (at most
+            ``max_pending``: back-pressure); else 0.
+    """
+
+    frames_received: dict[int, int] = field(default_factory=dict)
+    shards: int = 0
+    pending_peak: int = 0
+
+
+@dataclass(frozen=True)
+class CollectorSummary:
+    """What a `Collector` wrote, returned by ``close()`` on rank ``dst``."""
+
+    path: str
+    frames: int
+    bytes: int
+    duplicates_dropped: int
+    frames_per_rank: dict[int, int] = field(default_factory=dict)
+    shards: int = 0
+    seconds: float = 0.0
+    close_seconds: float = 0.0
+    duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
+    combine_seconds: float = 0.0  # with several writers: reading their shards' records, copies across them
+
+    @property
+    def throughput_mb_s(self) -> float:
+        """Frame bytes written per second, from ``open()`` to the end of ``close()``."""
+        return self.bytes / 1e6 / self.seconds if self.seconds else 0.0
+
+    def __str__(self) -> str:
+        per_rank = ", ".join(f"{r}: {n}" for r, n in self.frames_per_rank.items())
+        d = self.duplicates
+        dups = f"{d.dropped} duplicates dropped ({d.exact} exact, {d.inexact} inexact, max diff {d.max_abs_diff:g})"
+        return (
+            f"tdgather: {self.frames} frames, {self.bytes / 1e6:.1f} MB, {dups}, "
+            f"per rank {{{per_rank}}}, {self.shards} shards in {self.path}, {self.seconds:.2f} s "
+            f"({self.throughput_mb_s:.1f} MB/s), close {self.close_seconds:.3f} s"
+        )
+
+
+class _Spill:
+    """What rank dst's writer holds until it writes: parts, the pooled buffers under them, budget bytes."""
+
+    def __init__(self) -> None:
+        self.parts: list = []
+        self.buffers: list = []
+        self.nbytes = 0
+
+    def add(self, parts: list, buffers: list, nbytes: int) -> None:
+        self.parts += parts
+        self.buffers += buffers
+        self.nbytes += nbytes
+
+
+def _bookkeeping_bytes(parts: list, frames: int) -> int:
+    """What merging and writing ``parts`` costs beyond their tensor bytes: per frame, value row and filename."""
+    values = sum(p.value_rows for p in parts)
+    files = sum(len(p.files) for p in parts)
+    return _MERGE_BYTES_PER_FRAME * frames + _MERGE_BYTES_PER_VALUE_ROW * values + _WRITE_BYTES_PER_FILE * files
+
+
+def _return_freed_memory() -> None:
+    """On glibc, fix the mmap threshold so that freed chunk buffers go back to the OS at once.
+
+    glibc raises its threshold after large frees and then keeps such buffers on its heaps, so
+    resident memory drifts above what is alive. Fixing it (mallopt M_MMAP_THRESHOLD) stops that.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD = 256 KiB
+    except (OSError, AttributeError):
+        pass
+
+
+class _Side:
+    """What senders and rank dst share: the current chunk, back-pressure, the first failure."""
+
+    def __init__(self, chunk_bytes: int, max_pending: int, copy: bool) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.copy = copy
+        self.saved = Saved()  # what a resumed run saved already (empty for a fresh one)
+        self.store = FrameStore(copy)
+        self.queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self.failure: BaseException | None = None
+        self.lock = threading.Lock()
+
+    def fail(self, e: BaseException) -> bool:
+        """Record the first failure; True when this one is it."""
+        with self.lock:
+            if self.failure is None:
+                self.failure = e
+                return True
+            return False
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def add(self, filenames: Any, frame_idx: Any, frames: Any, ragged: Any = ()) -> None:
+        self.check()
+        self.store.add(filenames, frame_idx, frames, ragged=ragged)
+        self._maybe_flush()
+
+    def update(self, predictions: Mapping[str, Any], ragged: Any = ()) -> None:
+        self.check()
+        self.store.update(predictions, ragged=ragged)
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        """Send the chunk once its frames, and what its filenames cost beside them, reach ``chunk_bytes``."""
+        if self.store.nbytes + _CHUNK_BYTES_PER_FILE * len(self.store.names) >= self.chunk_bytes:
+            self.put(self._chunk(self.store))
+            self.store = self._new_store()
+
+    def _new_store(self) -> FrameStore:
+        return FrameStore(self.copy, self.saved.layouts)
+
+    def _chunk(self, store: FrameStore) -> Any:
+        """What goes on the queue for a full chunk."""
+        return store
+
+    def put(self, item: Any) -> None:
+        """From the user's thread: queue an item, waiting while the queue is full, not past a failure."""
+        while True:
+            try:
+                self.queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                if self.failure is not None:
+                    raise self.failure from None
+
+
+class Sender(_Side):
+    """A rank other than dst: 1. wait for dst's ready, 2. send chunks behind the loop, 3. done or error.
+
+    With ``relay``, a writer's stream to the coordinator (`tdgather.format.parts`): no frames, only
+    heartbeats while its block runs, then ``done`` with its part; it ends with ``error`` as soon as
+    the writer fails.
+    """
+
+    def __init__(self, settings: Settings, call: Call, relay: bool = False) -> None:
+        super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy)
+        self.timeout, self.dst = settings.timeout, settings.dst
+        self.ch = call.channel(settings.dst)  # its send and receive sequences are independent
+        self.heartbeat = heartbeat_interval(self.timeout)
+        self.frames = 0
+        self.pending_peak = 0
+        self.relay = relay
+        self.on_fail: Any = None  # a writer's: its own Destination fails with it
+        self.done: dict = {}  # what ``done`` carries besides the frames: a writer's part
+        ready = self.ch.recv_answer()  # 1. rank dst says whether the output can be written
+        if ready.kind == Kind.ERROR:
+            raise peer_error(settings.dst, ready.header)
+        if "saved" in ready.header:
+            self.saved = Saved.from_wire(ready.header["saved"], settings.dst)
+            self.store = self._new_store()
+        self.run = check_run(ready.header["run"], settings.dst) if "run" in ready.header else None
+        self.answer = None
+        self.joiner = Joiner(reuse=True)
+        self.thread = threading.Thread(target=self._send_loop, name="tdgather-send", daemon=True)
+        self.watcher = threading.Thread(target=self._watch, name="tdgather-answer", daemon=True)
+        self.thread.start()
+        self.watcher.start()
+
+    def put(self, item: Any) -> None:
+        """Queue a chunk (waiting on back-pressure) and keep the peak queue depth."""
+        super().put(item)
+        self.pending_peak = max(self.pending_peak, self.queue.qsize())
+
+    def fail(self, e: BaseException) -> bool:
+        """Record the first failure (True when this one is it); a writer's Destination fails with it."""
+        first = super().fail(e)
+        if first and self.on_fail is not None:
+            self.on_fail(e)
+        return first
+
+    def _send_loop(self) -> None:
+        last = time.monotonic()
+        try:
+            while True:
+                if self.failure is not None and (self.answer is not None or self.relay):  # end the stream now,
+                    raise self.failure  # not at the loop's next add(), which may be far off
+                try:
+                    item = self.queue.get(timeout=_POLL)
+                except queue.Empty:
+                    if time.monotonic() - last >= self.heartbeat:
+                        self.ch.wait(self.ch.send(Kind.DATA, HEARTBEAT), "a heartbeat")
+                        last = time.monotonic()
+                    continue
+                last = time.monotonic()
+                if item is _CLOSE:
+                    self.ch.wait(end_stream(self.ch, self.frames, **self.done), "the done message")
+                    return
+                if isinstance(item, BaseException):
+                    self.ch.wait(end_stream(self.ch, error=item), "the error message")
+                    return
+                self.ch.wait(send_frames(self.ch, pack(item), self.joiner), "a chunk")
+                self.joiner.wait(self.ch)
+                self.frames += len(item)
+        except BaseException as e:
+            self.fail(e)
+            if not isinstance(e, PeerLostError):  # the stream still works: end it, so dst need not wait
+                try:
+                    self.ch.wait(end_stream(self.ch, error=e), "the error message")
+                except PeerLostError:
+                    pass
+
+    def _watch(self) -> None:
+        try:
+            answer = self.ch.recv_answer()  # as long as dst sends heartbeats, however long its work takes
+        except BaseException as e:
+            self.fail(e)
+            return
+        if answer.kind == Kind.ERROR:
+            self.fail(peer_error(self.dst, answer.header))
+        self.answer = answer  # after the failure is recorded: the send loop reads both
+
+    def status(self) -> CollectorStatus:
+        """This sender's progress."""
+        return CollectorStatus(pending_peak=self.pending_peak)
+
+    def close(self, **done: Any) -> None:
+        """Flush, send ``done`` (with ``done``'s items), and wait for dst's answer (raises if it is ``error``)."""
+        self.check()
+        self.done = done
+        if len(self.store):
+            self.put(self.store)
+        self.put(_CLOSE)
+        self._join_send_thread()
+        self.check()
+        self.watcher.join()  # ends with dst's answer, or once dst is silent for the timeout
+        self.check()
+
+    def abort(self, exc: BaseException) -> None:
+        """Send what it holds, end the stream with ``error``, and wait (bounded) for dst's answer.
+
+        The frames added before the failure are whole, so they go to dst, which keeps them in
+        ``<path>.partial``; unless dst has failed already (it stops reading) or is lost.
+        """
+        self.fail(exc)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        if len(self.store):
+            self._put_while_sending(self.store, deadline)
+            self.store = self._new_store()
+        self._put_while_sending(exc, deadline)
+        self._join_send_thread()
+        self.watcher.join(self.timeout.total_seconds())
+
+    def _put_while_sending(self, item: Any, deadline: float) -> None:
+        """Queue an item behind the unsent chunks; if the send loop ends or stalls first, drop them all."""
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            try:
+                self.queue.put(item, timeout=_POLL)
+                return
+            except queue.Full:
+                continue
+        while not self.queue.empty():
+            self.queue.get_nowait()
+
+    def _join_send_thread(self) -> None:
+        """Wait for the send thread: at most the timeout, and only briefly once dst has answered.
+
+        After its answer, dst reads the rest of the stream, unless it stopped reading it (our bytes
+        broke the protocol): then a send never completes, and waiting for it would only delay the error.
+        """
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        answered = None
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            self.thread.join(0.05)
+            if not self.watcher.is_alive():
+                answered = answered or time.monotonic()
+                if time.monotonic() - answered > _AFTER_ANSWER:
+                    return
+
+
+class Destination(_Side):
+    """Rank dst: 1. check the output and answer ready, 2. receive and write within the budget, 3. index.
+
+    With several writers (`tdgather.format.parts`), rank dst is the coordinator: ``writers`` maps the
+    peers that are writers to their numbers; they send no frames, only their part at the end, and
+    the index covers every writer's shards. Another writer is a Destination for its own block,
+    with ``up``, its relay `Sender` to the coordinator: it writes its part and answers its peers
+    only once the coordinator has answered it.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        call: Call | None,
+        rank: int,
+        peers: list[int],
+        writer: int | None = None,
+        writers: Mapping[int, int] | None = None,
+        up: Sender | None = None,
+    ) -> None:
+        super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy)
+        _return_freed_memory()
+        col = self.settings = settings
+        self.rank, self.start = rank, time.perf_counter()
+        self.channels = {p: call.channel(p) for p in peers} if call is not None else {}
+        self.answers = Answers(self.channels, heartbeat_interval(col.timeout))
+        self.policy = col.duplicates
+        self.local_ended = False
+        self.write_failed = False
+        self.received = dict.fromkeys(sorted([rank, *peers]), 0)
+        self.received_bytes = dict.fromkeys(sorted([rank, *peers]), 0)
+        # peers that failed themselves: answered only once what they sent is saved, so that they stay
+        # alive until then (launchers stop every process as soon as one exits with an error)
+        self.held: set[int] = set()
+        self.duplicates = DuplicateCounts()  # dropped within spills; the writer counts those against the disk
+        self.pool = BufferPool(col.pool_bytes)  # received buffers, reused within the budget
+        self.writers, self.up, self.parts = dict(writers or {}), up, {}
+        try:
+            self.writer = (col.sink or DatasetWriter)(
+                col.path,
+                overwrite=col.overwrite,
+                max_shard_bytes=col.max_shard_bytes,
+                duplicates=self.policy,
+                resume=col.resume and up is None,
+                writer=writer,
+                part=up.run if up is not None else None,
+            )
+        except BaseException as e:
+            self.answers.answer_all(Kind.ERROR, error_header(e))
+            raise
+        self.saved = self.writer.saved if up is None else up.saved
+        self.store = self._new_store()
+        ready: dict[str, Any] = {"frames": 0, "saved": self.saved.to_wire()} if self.saved else {"frames": 0}
+        if self.writers:  # the writers write shards of this run and attempt
+            ready["run"] = {"id": self.writer.run, "attempt": self.writer.attempt}
+        late = self.answers.send_all(Kind.DONE, ready)  # 1. ready, with what a resumed run saved
+        if late:  # its pair timed out, and gloo closes them all: name it, rather than let the others blame us
+            waited, limit = time.perf_counter() - self.start, col.timeout.total_seconds()
+            why = (
+                f"it did not open its Collector within {limit:g} s of rank {rank}: every rank must enter "
+                "`with Collector(...)` within the timeout of the others (open it before the loop, not after a "
+                "long step), or pass a larger timeout=; or it failed, or is in another call"
+                if waited >= 0.9 * limit
+                else f"its connection closed after {waited:.1f} s, before it opened its Collector: it probably "
+                "failed or died before this call (its log has the error)"
+            )
+            error = PeerLostError(min(late), "PeerLost", why)
+            self.answers.answer_all(Kind.ERROR, error_header(error))
+            self.writer.discard()  # nothing was received: leave nothing that blocks a rerun
+            raise error
+        self.answers.start()
+        enabled = col.progress if col.progress is not None else sys.stderr.isatty()
+        self.bar = tqdm(desc="tdgather", unit=" frames", disable=not enabled, dynamic_ncols=True, file=sys.stderr)
+        self.receivers = [
+            threading.Thread(target=self._receive_loop, args=(p,), name=f"tdgather-recv-{p}", daemon=True)
+            for p in peers
+        ]
+        self.writer_thread = threading.Thread(target=self._write_loop, name="tdgather-write", daemon=True)
+        for t in [*self.receivers, self.writer_thread]:
+            t.start()
+
+    @property
+    def all_duplicates(self) -> DuplicateCounts:
+        """Copies dropped: in the merges, and against shards already written."""
+        return self.duplicates + self.writer.duplicates
+
+    def _chunk(self, store: FrameStore) -> Any:
+        return ("local", self.rank, store)
+
+    def _receive_loop(self, peer: int) -> None:
+        ch, frames, end = self.channels[peer], 0, None
+        try:
+            while True:
+                msg = ch.recv()
+                if msg.kind != Kind.DATA:
+                    expect_done(ch, msg, frames)
+                    if peer in self.writers:
+                        self.parts[peer] = check_part(msg.header.get("part"), peer, self.writers[peer])
+                    break
+                if msg.header.groups and peer in self.writers:
+                    raise ProtocolError(peer, "header.groups", "none: a writer sends its part, not frames")
+                if msg.header.groups:  # after a failure too: what arrives is still written
+                    taken: list = []
+                    parts = read_frames(ch, msg, functools.partial(self.pool.take, into=taken))
+                    frames += msg.header.num_frames
+                    self.queue.put(("parts", peer, (parts, taken)))
+        except BaseException as e:
+            end = e
+            if isinstance(e, PeerLostError):
+                self.answers.lost.add(peer)
+            elif isinstance(e, PeerError) and e.rank == peer:
+                self.held.add(peer)
+        self.queue.put(("end", peer, end))  # the writer consumes until every source has ended
+
+    def _write_loop(self) -> None:
+        """Write everything that arrives, after a failure elsewhere too, until a write itself fails."""
+        spill, open_sources = _Spill(), {*self.channels, self.rank}
+        while open_sources:
+            kind, src, item = self.queue.get()
+            if kind == "end":
+                open_sources.discard(src)
+                if item is not None:
+                    self._fail(item)
+                continue
+            if self.write_failed:
+                continue  # drain
+            try:
+                parts, buffers = (item.parts(src), []) if kind == "local" else item
+                frames = sum(p.num_frames for p in parts)
+                size = sum(p.nbytes for p in parts)
+                self.received[src] += frames
+                self.received_bytes[src] += size
+                self._progress(frames)
+            except BaseException as e:
+                self.write_failed = True
+                self._fail(e)
+                continue
+            spill.add(parts, buffers, size + _bookkeeping_bytes(parts, frames))
+            if spill.nbytes >= self.settings.spill_bytes:
+                self._spill(spill.parts)
+                self.pool.give(spill.buffers)  # written: the buffers take the next chunks
+                spill = _Spill()
+        if spill.parts:
+            self._spill(spill.parts)
+
+    def _spill(self, parts: list) -> None:
+        """Plan the buffer (lowest rank first, so its copy of a duplicate is kept) and write it.
+
+        Large rows are written straight from the received buffers (`tdgather.core.merge.Rows`); small
+        ones are merged into new buffers first.
+
+        A conflict fails the run, but the writer is sound: it goes on writing what arrives, so
+        that what was received is saved. Of a duplicate the policy refuses, one copy is kept; of a
+        filename sent with two layouts, the frames of the layout that came first (lowest rank
+        first within a spill; the one on disk, after). A failed write stops writing.
+        """
+        if self.write_failed:
+            return
+        parts = sorted(parts, key=lambda p: p.rank)
+        mismatches: Mismatches = {}
+        try:
+            try:
+                merged = merge(parts, self.policy, by_reference=True, mismatches=mismatches)
+                self.writer.write(merged, None, mismatches)
+            except DuplicateFrameError as e:
+                self._fail(e)
+                self.policy = DuplicatePolicy("keep")
+                self.writer.set_policy(self.policy)
+                merged = merge(parts, self.policy, by_reference=True, mismatches=mismatches)
+                self.writer.write(merged, None, mismatches)
+            self.duplicates += merged.duplicates
+        except BaseException as e:
+            self.write_failed = True
+            self._fail(e)
+        for _, error in mismatches.values():
+            self._fail(error)
+
+    def _progress(self, frames: int) -> None:
+        if self.bar.disable:
+            return
+        ranks = self.received_bytes.items()
+        per_rank = " ".join(f"r{r}:{self.received[r]}/{b / 1e6:.0f}MB" for r, b in ranks) if len(ranks) <= 8 else ""
+        total = sum(self.received_bytes.values()) / 1e6
+        self.bar.set_postfix_str(f"{total:.0f} MB, {len(self.writer.shards)} shards {per_rank}", refresh=False)
+        self.bar.update(frames)
+
+    def _fail(self, e: BaseException) -> None:
+        if self.fail(e):  # every sender learns at once; one that failed itself, after its frames are saved
+            self.answers.answer_all(Kind.ERROR, error_header(e), skip=self.held)
+            if self.up is not None:  # and the coordinator, from a writer
+                self.up.fail(e)
+
+    def status(self) -> CollectorStatus:
+        """Rank dst's (or a writer's) progress."""
+        return CollectorStatus(frames_received=dict(self.received), shards=len(self.writer.shards))
+
+    def close(self) -> CollectorSummary | None:
+        """Flush its own frames, wait for every peer, commit the index, answer ``done``; return the summary.
+
+        A writer other than the coordinator returns None, once the coordinator has answered.
+        """
+        self.check()
+        closing = time.perf_counter()
+        if len(self.store):
+            self.put(self._chunk(self.store))
+        self._end_local()
+        self.writer_thread.join()
+        for t in self.receivers:
+            t.join()
+        self.bar.close()
+        self.check()
+        combining = time.perf_counter()
+        if self.writers:
+            self._combine()
+        combined = time.perf_counter() - combining
+        dups = self.all_duplicates
+        meta = {USER_KEY: self.settings.metadata, "duplicates_dropped": dups.dropped, "duplicates": dups.to_json()}
+        self.writer.commit(meta)
+        if self.up is not None:  # a writer: its part to the coordinator, and the answer back to its peers
+            frames_per_rank = [[r, n] for r, n in self.received.items()]
+            self.up.close(
+                part={"shards": self.writer.report(), "frames_per_rank": frames_per_rank, "duplicates": dups.to_json()}
+            )
+            self.answers.answer_all(Kind.DONE, {"frames": self.up.answer.header["frames"]})
+            self.answers.stop()
+            return None
+        self.answers.answer_all(Kind.DONE, {"frames": self.writer.frames})
+        self.answers.stop()
+        end = time.perf_counter()
+        return CollectorSummary(
+            path=str(self.settings.path),
+            frames=self.writer.frames,
+            bytes=self.writer.nbytes,
+            duplicates_dropped=dups.dropped,
+            frames_per_rank=dict(self.received),
+            shards=len(self.writer.shards),
+            seconds=end - self.start,
+            close_seconds=end - closing,
+            duplicates=dups,
+            combine_seconds=combined,
+        )
+
+    def _combine(self) -> None:
+        """The coordinator: every writer's shards into the index, copies across writers resolved."""
+        self.duplicates += self.writer.combine({self.writers[p]: part["shards"] for p, part in self.parts.items()})
+        for part in self.parts.values():
+            self.duplicates += counts_of(part["duplicates"])
+            self.received.update((r, n) for r, n in part["frames_per_rank"])
+        self.received = dict(sorted(self.received.items()))
+
+    def _end_local(self) -> None:
+        if not self.local_ended:
+            self.local_ended = True
+            self.queue.put(("end", self.rank, None))
+
+    def abort(self, exc: BaseException) -> None:
+        """Answer ``error`` to every peer, write what arrives until their streams end, keep the shards.
+
+        Nothing received is lost: rank dst's own frames, every chunk received before the failure
+        and those its peers still send are committed to ``<path>.partial`` and listed in
+        ``tdgather.incomplete.json`` (also after a failed write, when it can still be written).
+        No index is written.
+        """
+        self._fail(exc)
+        if len(self.store) and not self.local_ended:
+            self.queue.put(self._chunk(self.store))  # the writer drains the queue, so this returns
+            self.store = self._new_store()
+        self._end_local()
+        self.writer_thread.join()
+        for t in self.receivers:
+            t.join()
+        self.bar.close()
+        dups = self.all_duplicates
+        meta = {
+            USER_KEY: self.settings.metadata,
+            "frames_per_rank": self.received,
+            "duplicates_dropped": dups.dropped,
+            "duplicates": dups.to_json(),
+        }
+        try:
+            with contextlib.suppress(OSError):  # the original error matters more than the list of what was saved
+                self.writer.abort(self.failure, meta, rank=self.rank)
+        finally:
+            self.answers.answer_all(Kind.ERROR, error_header(self.failure))  # the held peers: saved now
+            self.answers.stop()
+            if self.up is not None:
+                self.up.abort(self.failure)

@@ -1,0 +1,477 @@
+"""The data model shared by every stage: `Frames` and `Layout`.
+
+A frame's value is a tensor, a nested dict / TensorDict / tensorclass of
+tensors, or such a tree with plain JSON values (str, int, float, bool, None)
+among its leaves. `flatten` turns a value into a `Layout` (the structure,
+dtypes and per-frame shapes) plus its tensor and JSON leaves; `rebuild` turns
+leaves back into a tensor, a TensorDict or the user's tensorclass.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    is_non_tensor,
+    is_tensorclass,
+    tensorclass,
+)
+from tensordict.base import TensorDictBase
+
+from ..errors import ShapeMismatchError, UnsupportedValueError
+from .dtypes import dtype_from_name, dtype_name, supported_list
+from .ragged import Ragged
+
+__all__ = [
+    "Frames",
+    "Layout",
+    "Leaf",
+    "RaggedSpec",
+    "flatten",
+    "ragged_hint",
+    "rebuild",
+    "rebuild_one",
+]
+
+Path = tuple[str, ...]
+RaggedSpec = bool | frozenset[str]  # the leaves named ragged by the caller (dotted paths), or True: all
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+@tensorclass
+class Frames:
+    """The frames of one filename, ordered by ``frame_idx``.
+
+    Attributes:
+        frame_idx: LongTensor ``[T]``, strictly increasing.
+        frames: ``Tensor[T, ...]``, or a TensorDict / tensorclass with batch size ``[T]``. A ragged
+            leaf (its first dim differs per frame) is a jagged nested tensor ``[T, j, ...]``.
+    """
+
+    frame_idx: torch.Tensor
+    frames: Any
+
+    def at(self, frame_idx: Any) -> Frames:
+        """The frame whose ``frame_idx`` is this one (``clip[i]`` is the i-th row, another frame when indexes skip).
+
+        >>> clip = Frames(frame_idx=torch.tensor([0, 5, 10]), frames=torch.arange(3.0), batch_size=[3])
+        >>> clip.at(5).frames, clip[1].frames
+        (tensor(1.), tensor(1.))
+
+        Raises:
+            KeyError: no frame has that index (the message gives the range held).
+            TypeError: ``frame_idx`` is not an integer (a float is never truncated).
+        """
+        if isinstance(frame_idx, bool) or not hasattr(frame_idx, "__index__"):
+            raise TypeError(f"frame_idx: expected an integer, got {type(frame_idx).__name__} {frame_idx!r}")
+        want = operator.index(frame_idx)
+        row = int(torch.searchsorted(self.frame_idx, torch.tensor(want, dtype=self.frame_idx.dtype)))
+        if row >= self.frame_idx.numel() or int(self.frame_idx[row]) != want:
+            held = self.frame_idx.numel()
+            span = f"{int(self.frame_idx[0])}..{int(self.frame_idx[-1])}" if held else "none"
+            raise KeyError(f"frame_idx {want}: no such frame here ({held} frames, frame_idx {span})")
+        return self[row]
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One tensor leaf of a frame: where it sits, its dtype and its per-frame shape.
+
+    A ragged leaf has ``N_i`` rows in frame ``i``; ``shape`` is then the shape of one row.
+    """
+
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    ragged: bool = False
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one frame (a fixed leaf) or of one row (a ragged leaf)."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def dims(self) -> str:
+        """The per-frame shape as messages show it: ``[3, 4]``, or ``[*, 4]`` when ragged."""
+        return "[" + ", ".join(["*"] * self.ragged + [str(d) for d in self.shape]) + "]"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The structure of one frame; frames of one filename must share it.
+
+    Attributes:
+        kind: ``"tensor"`` for a plain tensor, ``"tree"`` for a dict, TensorDict or tensorclass.
+        cls: ``"module:qualname"`` of a tensorclass, else None.
+        leaves: the tensor leaves, sorted by path.
+        nontensor: the paths of JSON leaves, sorted.
+    """
+
+    kind: str
+    cls: str | None
+    leaves: tuple[Leaf, ...]
+    nontensor: tuple[Path, ...] = ()
+
+    def describe(self) -> str:
+        """Return a short human description, as used in error messages.
+
+        >>> Layout("tensor", None, (Leaf((), torch.float32, (3, 4)),)).describe()
+        'float32[3, 4]'
+        >>> Layout("tree", None, (Leaf(("boxes",), torch.float32, (4,), ragged=True),)).describe()
+        '{boxes: float32[*, 4]}'
+        """
+        if self.kind == "tensor":
+            leaf = self.leaves[0]
+            return f"{dtype_name(leaf.dtype)}{leaf.dims()}"
+        parts = [f"{'.'.join(leaf.path)}: {dtype_name(leaf.dtype)}{leaf.dims()}" for leaf in self.leaves]
+        parts += [f"{'.'.join(p)}: json" for p in self.nontensor]
+        name = self.cls.rsplit(":", 1)[-1] if self.cls else ""
+        return f"{name}{{{', '.join(parts)}}}"
+
+    def to_json(self) -> dict:
+        """The JSON form used in wire headers, shard metadata and the index."""
+        return {
+            "kind": self.kind,
+            "cls": self.cls,
+            "leaves": [
+                {"path": list(x.path), "dtype": dtype_name(x.dtype), "shape": list(x.shape)}
+                | ({"ragged": True} if x.ragged else {})
+                for x in self.leaves
+            ],
+            "json": [list(p) for p in self.nontensor],
+        }
+
+    @staticmethod
+    def from_json(obj: dict) -> Layout:
+        """Inverse of `to_json` for trusted input (the receive path validates first).
+
+        >>> lay = Layout("tensor", None, (Leaf((), torch.bool, (2,)),))
+        >>> Layout.from_json(lay.to_json()) == lay
+        True
+        """
+        leaves = tuple(
+            Leaf(tuple(x["path"]), dtype_from_name(x["dtype"]), tuple(x["shape"]), bool(x.get("ragged")))
+            for x in obj["leaves"]
+        )
+        return Layout(obj["kind"], obj["cls"], leaves, tuple(tuple(p) for p in obj["json"]))
+
+    @property
+    def frame_nbytes(self) -> int:
+        """Bytes of tensor data in one frame, ragged leaves not counted (their size varies)."""
+        return sum(leaf.row_nbytes for leaf in self.leaves if not leaf.ragged)
+
+    @property
+    def ragged(self) -> bool:
+        """Whether a leaf is ragged."""
+        return any(leaf.ragged for leaf in self.leaves)
+
+
+def ragged_hint(a: Layout, b: Layout) -> str:
+    """For two layouts of one filename: how to declare the leaves whose first dim is all that differs.
+
+    "" when something else differs too (a dtype, a later dim, the structure).
+
+    >>> fixed = Layout("tree", None, (Leaf(("boxes",), torch.float32, (3, 4)),))
+    >>> ragged_hint(fixed, Layout("tree", None, (Leaf(("boxes",), torch.float32, (5, 4)),))).split(" (")[0]
+    "; if a leaf's first dim changes from frame to frame, pass ragged=['boxes']"
+    """
+
+    def row(x: Leaf) -> tuple | None:  # dtype and the shape of one row, for a leaf that has rows
+        return (x.dtype, x.shape) if x.ragged else (x.dtype, x.shape[1:]) if x.shape else None
+
+    if (a.kind, a.cls, a.nontensor, [x.path for x in a.leaves]) != (
+        b.kind,
+        b.cls,
+        b.nontensor,
+        [x.path for x in b.leaves],
+    ):
+        return ""
+    names, differ = [], False
+    for x, y in zip(a.leaves, b.leaves, strict=True):
+        if x != y:
+            if row(x) is None or row(x) != row(y):
+                return ""
+            differ = True
+        if x != y or x.ragged:  # with those ragged already: passing the hint adds, never swaps
+            names.append(".".join(x.path))
+    if not differ:
+        return ""
+    spec = True if a.kind == "tensor" else names
+    return (
+        f"; if a leaf's first dim changes from frame to frame, pass ragged={spec!r} (to add(), update(), "
+        "gather(), the Collector's add() or the Lightning PredictionWriter) or give it as a jagged nested tensor"
+    )
+
+
+def _check_tensor(t: torch.Tensor, where: str) -> None:
+    problem = None
+    if t.is_nested:
+        problem = "a nested tensor for one frame (a batch of frames may be a jagged nested tensor)"
+    elif t.layout != torch.strided:
+        problem = f"layout {t.layout}"
+    elif t.is_quantized:
+        problem = "a quantized tensor"
+    elif t.device.type == "meta":
+        problem = "a meta tensor (it has no data)"
+    elif dtype_name(t.dtype) is None:
+        problem = f"dtype {t.dtype}"
+    if problem:
+        raise UnsupportedValueError(
+            f"{where}: expected a dense tensor of a supported dtype ({supported_list()}), "
+            f"got {problem}; convert it first, e.g. with .to_dense() or .to(torch.float32)"
+        )
+
+
+def _check_json(value: Any, where: str) -> None:
+    if isinstance(value, torch.Tensor):  # a list of per-frame tensors under a key of a batch dict
+        raise UnsupportedValueError(
+            f"{where}: got a list holding tensors; a list under a key of a batch holds one JSON value per "
+            "frame. Give per-frame tensors as a list of per-frame dicts ([{'boxes': t0}, {'boxes': t1}, ...]), "
+            "or as one tensor: stacked, or a jagged nested tensor when their first dims differ "
+            "(torch.nested.as_nested_tensor([t0, t1, ...], layout=torch.jagged))"
+        )
+    if not isinstance(value, _JSON_SCALARS) or (isinstance(value, float) and not math.isfinite(value)):
+        raise UnsupportedValueError(
+            f"{where}: expected a tensor or a plain JSON value (str, int, float, bool, None), "
+            f"got {type(value).__name__} {value!r:.60}; make it a tensor or one of those"
+        )
+
+
+def flatten(
+    value: Any, batch: int | None, where: str, ragged: RaggedSpec = frozenset(), check_names: bool = True
+) -> tuple[Layout, list[Any], list[Any]]:
+    """Split a frame value into its layout, tensor leaves and JSON leaves.
+
+    Args:
+        value: one frame (``batch=None``) or a batch of ``batch`` frames: a tensor, dict,
+            TensorDict or tensorclass with that leading dim, or a list of ``batch`` frames
+            (or a ``LazyStackedTensorDict`` of them). A jagged nested tensor in a batch is a
+            ragged leaf, and so is, in a list, a tensor whose first dim differs between frames.
+        batch: the batch size, or None for a single frame.
+        where: what to name in error messages (a filename, a key).
+        ragged: leaves to make ragged even where every frame has the same first dim (dotted
+            paths; True: every tensor leaf of at least one dim).
+        check_names: refuse a name in ``ragged`` that matches no tensor leaf of ``value``
+            (`check_ragged_names`; off where the caller checks the names over many values).
+
+    Returns:
+        ``(layout, tensors, json)``: a ragged leaf's tensor is a `tdgather.core.ragged.Ragged`; for a
+        batch, each JSON leaf is a list of ``batch`` values.
+
+    >>> lay, t, j = flatten({"m": torch.zeros(2, 3), "s": ["a", "b"]}, 2, "x")
+    >>> lay.describe(), j
+    ('{m: float32[3], s: json}', [['a', 'b']])
+    >>> flatten([torch.zeros(2, 4), torch.zeros(0, 4)], 2, "x")[0].describe()
+    'float32[*, 4]'
+    """
+    out = _flatten(value, batch, where, ragged)
+    if check_names and (batch is None or batch):  # an empty batch has no leaves to match
+        check_ragged_names(ragged, {".".join(leaf.path) for leaf in out[0].leaves}, where)
+    return out
+
+
+def check_ragged_names(ragged: RaggedSpec, known: set[str], where: str) -> None:
+    """Refuse names in ``ragged`` that are none of the dotted tensor leaves ``known`` (a typo, most often)."""
+    unknown = sorted(ragged - known) if isinstance(ragged, frozenset) else []
+    if unknown:
+        raise ValueError(
+            f"{where}: ragged={sorted(ragged)} names {unknown}, which is not a tensor leaf here; the tensor "
+            f"leaves are {sorted(known) or 'none'} (dotted keys; for a plain tensor pass ragged=True)"
+        )
+
+
+def _flatten(value: Any, batch: int | None, where: str, ragged: RaggedSpec) -> tuple[Layout, list[Any], list[Any]]:
+    if batch is not None and isinstance(value, LazyStackedTensorDict):
+        value = list(value.unbind(0))
+    if batch is not None and isinstance(value, tuple):  # a model's several outputs, far more often than frames
+        raise UnsupportedValueError(
+            f"{where}: got a tuple of {len(value)}; a batch is a tensor [B, ...], a dict (or TensorDict) of them, "
+            "or a list of B per-frame values. For a model with several outputs, return a dict that names them "
+            "({'depth': y, 'seg': z}); for per-frame values, a list"
+        )
+    if batch is not None and isinstance(value, list):
+        return _flatten_list(value, batch, where, ragged)
+    if isinstance(value, torch.Tensor | Ragged):
+        leaf, t = _leaf(value, (), batch, where, ragged)
+        return Layout("tensor", None, (leaf,)), [t], []
+    cls = None
+    if is_tensorclass(value):
+        cls = f"{type(value).__module__}:{type(value).__qualname__}"
+        value = value._tensordict
+    if not isinstance(value, Mapping | TensorDictBase):
+        raise UnsupportedValueError(
+            f"{where}: expected a tensor, or a dict / TensorDict / tensorclass of tensors"
+            f"{', or a list of frames' if batch is not None else ''}, got {type(value).__name__}"
+            f"{_wrap_hint(value, batch)}"
+        )
+    found: list[tuple[Path, Any, bool]] = []
+    _walk(value, (), batch, where, found)
+    leaves, tensors, json_paths, json_values = [], [], [], []
+    for path, v, is_tensor in found:
+        if is_tensor:
+            leaf, t = _leaf(v, path, batch, f"{where} key {'.'.join(path)!r}", ragged)
+            leaves.append(leaf)
+            tensors.append(t)
+        else:
+            json_paths.append(path)
+            json_values.append(v)
+    return Layout("tree", cls, tuple(leaves), tuple(json_paths)), tensors, json_values
+
+
+def _wrap_hint(value: Any, batch: int | None) -> str:
+    """For a bare str, number, bool or None given as a frame (or a batch): the value, and the dict to wrap it in."""
+    if not isinstance(value, _JSON_SCALARS):
+        return ""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    kind = "None" if value is None else f"{'an' if type(value) is int else 'a'} {type(value).__name__}"
+    key = "caption" if isinstance(value, str) else "flag" if isinstance(value, bool) else "score" if number else "note"
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    tensor = f" (a number may also be a tensor: torch.tensor({shown}))" if number else ""
+    if batch is None:
+        return f" {shown}; {kind} is stored as a JSON leaf of a dict: wrap it, e.g. {{{key!r}: {shown}}}{tensor}"
+    return (
+        f" {shown}; {kind} is stored as a JSON leaf of a dict, one value per frame: give the batch as "
+        f"{{{key!r}: [{shown}, ...]}} (a list of {batch}), or a list of per-frame dicts [{{{key!r}: {shown}}}, ...]"
+    )
+
+
+def _named(path: Path, ragged: RaggedSpec) -> bool:
+    return ragged is True or (bool(ragged) and ".".join(path) in ragged)
+
+
+def _leaf(v: Any, path: Path, batch: int | None, where: str, ragged: RaggedSpec) -> tuple[Leaf, Any]:
+    """One tensor leaf: its `Leaf` and what is stored (the tensor, or a `Ragged`)."""
+    if batch is not None and isinstance(v, torch.Tensor) and (hasattr(v, "_ragged_idx") or v.is_nested):
+        v = Ragged.from_nested(v, where)
+    if isinstance(v, Ragged):
+        _check_tensor(v.values, where)
+        if len(v) != batch:
+            raise ValueError(f"{where}: expected {batch} frames, got a ragged leaf of {len(v)}")
+        return Leaf(path, v.dtype, tuple(v.values.shape[1:]), True), v
+    _check_tensor(v, where)
+    shape = _frame_shape(v, batch, where)
+    if batch is None or not _named(path, ragged):
+        return Leaf(path, v.dtype, shape), v
+    if not shape:
+        if ragged is True:
+            return Leaf(path, v.dtype, shape), v  # one value per frame: nothing to be ragged
+        raise ValueError(f"{where}: named ragged, but it holds one value per frame (shape {list(v.shape)})")
+    n = shape[0]  # every frame has n rows: a view, offsets 0, n, 2n, ...
+    return Leaf(path, v.dtype, shape[1:], True), Ragged(v.reshape(batch * n, *shape[1:]), torch.arange(batch + 1) * n)
+
+
+def _flatten_list(items: list | tuple, batch: int, where: str, ragged: RaggedSpec) -> tuple[Layout, list, list]:
+    """A list of ``batch`` frames as one batch: leaves stacked, or joined as `Ragged` where they vary."""
+    if len(items) != batch:
+        raise ValueError(f"{where}: expected a list of {batch} frames (one per filename), got {len(items)}")
+    if not items:
+        return Layout("tree", None, ()), [], []
+    per = [flatten(item, None, f"{where}[{k}]") for k, item in enumerate(items)]
+    first = per[0][0]
+
+    def skeleton(lay: Layout) -> tuple:
+        rows = tuple((x.path, x.dtype, len(x.shape), x.shape[1:]) for x in lay.leaves)
+        return lay.kind, lay.cls, rows, lay.nontensor
+
+    for k, (lay, _, _) in enumerate(per):
+        if skeleton(lay) != skeleton(first):
+            raise ShapeMismatchError(
+                f"{where}: frame {k} of the list has {lay.describe()} but frame 0 has {first.describe()}; the frames "
+                "of a batch must share their structure and dtypes (only the first dim of a leaf may differ)"
+            )
+    leaves, tensors = [], []
+    for j, leaf in enumerate(first.leaves):
+        ts = [p[1][j] for p in per]
+        if not leaf.shape and ragged is not True and _named(leaf.path, ragged):
+            raise ValueError(f"{where}: {'.'.join(leaf.path)!r} is named ragged, but it holds one value per frame")
+        if leaf.shape and (_named(leaf.path, ragged) or any(t.shape[0] != leaf.shape[0] for t in ts)):
+            leaves.append(Leaf(leaf.path, leaf.dtype, leaf.shape[1:], True))
+            tensors.append(Ragged.from_list(ts))
+        else:
+            leaves.append(leaf)
+            tensors.append(torch.stack([t.detach() for t in ts]))
+    json = [[p[2][j] for p in per] for j in range(len(first.nontensor))]
+    return Layout(first.kind, first.cls, tuple(leaves), first.nontensor), tensors, json
+
+
+def _frame_shape(t: torch.Tensor, batch: int | None, where: str) -> tuple[int, ...]:
+    if batch is None:
+        return tuple(t.shape)
+    if t.dim() == 0 or t.shape[0] != batch:
+        raise ValueError(f"{where}: expected a leading batch dimension of {batch}, got shape {list(t.shape)}")
+    return tuple(t.shape[1:])
+
+
+def _walk(node: Any, path: Path, batch: int | None, where: str, out: list) -> None:
+    keys = list(node.keys())
+    for key in sorted(keys) if isinstance(node, Mapping) else sorted(keys, key=str):
+        if not isinstance(key, str):
+            raise UnsupportedValueError(f"{where}: expected str keys, got {type(key).__name__} {key!r}")
+        sub = (*path, key)
+        label = f"{where} key {'.'.join(sub)!r}"
+        v = node.get(key) if isinstance(node, TensorDictBase) else node[key]
+        if isinstance(node, TensorDictBase) and is_non_tensor(v):
+            v = v.tolist() if batch is not None else v.data
+        if isinstance(v, torch.Tensor | Ragged):
+            out.append((sub, v, True))
+        elif isinstance(v, Mapping | TensorDictBase) or is_tensorclass(v):
+            _walk(v._tensordict if is_tensorclass(v) else v, sub, batch, where, out)
+        else:
+            values = v if batch is not None else [v]
+            if batch is not None and (not isinstance(v, list | tuple) or len(v) != batch):
+                raise UnsupportedValueError(f"{label}: expected a tensor or a list of {batch} JSON values")
+            for item in values:
+                _check_json(item, label)
+            out.append((sub, list(v) if batch is not None else v, False))
+
+
+def rebuild(layout: Layout, count: int, tensors: list[Any], json: list[list]) -> Any:
+    """Turn leaves of ``count`` frames back into a tensor, TensorDict or tensorclass.
+
+    A ragged leaf (a `Ragged`) becomes a jagged nested tensor, a view of its values.
+    A tensorclass comes back as its class when that class is already imported in
+    this process; tdgather never imports a module named by a peer.
+    """
+    tensors = [t.to_nested() if isinstance(t, Ragged) else t for t in tensors]
+    return _assemble(layout, [count], tensors, [NonTensorStack.from_list(list(values)) for values in json])
+
+
+def rebuild_one(layout: Layout, tensors: list[Any], json: list[list]) -> Any:
+    """One frame's value from leaves of one frame: what ``rebuild(layout, 1, ...)[0]`` gives, built directly.
+
+    A ragged leaf gives the frame's rows ``[N_i, ...]`` (no nested tensor is made for one frame).
+    """
+    tensors = [t.span()[0] if isinstance(t, Ragged) else t[0] for t in tensors]
+    return _assemble(layout, [], tensors, [NonTensorData(values[0]) for values in json])
+
+
+def _assemble(layout: Layout, batch_size: list[int], tensors: list[Any], json: list[Any]) -> Any:
+    """The value of ``layout`` from its leaves, ready made: a tensor, or a TensorDict / tensorclass."""
+    if layout.kind == "tensor":
+        return tensors[0]
+    td = TensorDict({}, batch_size=batch_size)
+    for leaf, t in zip(layout.leaves, tensors, strict=True):
+        td.set(leaf.path, t)
+    for path, value in zip(layout.nontensor, json, strict=True):
+        td.set(path, value)
+    cls = _loaded_tensorclass(layout.cls)
+    return cls._from_tensordict(td) if cls is not None else td
+
+
+def _loaded_tensorclass(name: str | None) -> type | None:
+    if not name or ":" not in name:
+        return None
+    module_name, qualname = name.split(":", 1)
+    obj: Any = sys.modules.get(module_name)  # only modules this process already imported
+    for attr in qualname.split("."):
+        obj = getattr(obj, attr, None) if obj is not None else None
+    return obj if isinstance(obj, type) and is_tensorclass(obj) else None

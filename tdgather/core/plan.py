@@ -1,0 +1,439 @@
+"""Stage 4a, placement: where every row goes, decided from the frame indexes alone.
+
+Rank dst has every sender's filenames and frame indexes before any payload arrives
+(`tdgather.dist.protocol`). `place` sorts all of them at once, per layout:
+
+1. rows are ordered by (filename, frame_idx), stably, sources in the order given (callers pass
+   them lowest rank first, so the first copy of a frame is the lowest rank's);
+2. the first copy of each (filename, frame_idx) gets the next row of the result; every later
+   copy (``DistributedSampler`` padding) gets a row past the result's end, kept only until it
+   is compared with the first (`Placement.check_duplicates`);
+3. so each source row's place is one int64: a payload lands with one scatter, or is received
+   straight into place when its rows form one run;
+4. a ragged leaf's buffer is its values, frames back to back in buffer-row order: from every
+   row's length its offsets follow, and from those each source value row's place
+   (`Placement.leaf_dest`), so ragged values land the same way.
+
+The result of a layout is a `Group`: columnar frames (sorted filenames, counts, frame_idx, one
+buffer per leaf). `Frames` are built from a group only when a file is accessed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from ..errors import ShapeMismatchError
+from .duplicates import DuplicateCounts, compare, conflict
+from .frames import Frames, Layout, ragged_hint, rebuild
+from .ragged import Ragged, element_index, offsets_of, values_of
+from .rows import run_start, scatter_rows
+
+__all__ = ["Group", "Mismatches", "Part", "Placement", "keep_first_layouts", "place", "scatter_chunks"]
+
+_NO_ROWS = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass
+class Part:
+    """One source's frames of one layout, rows in the order they were added or sent.
+
+    Row ``r`` belongs to filename ``files[file_ids[r]]``. ``chunks`` holds the tensor leaves as
+    consecutive batches of rows (``chunks[c][j]`` is leaf ``j`` of batch ``c``); it is empty while
+    the payload is still on the wire. A ragged leaf ``j``'s chunks hold its values' rows, and
+    ``lengths[j]`` (int64 ``[n]``) how many each frame has; ``lengths`` is empty when no leaf is
+    ragged, else None for each leaf that is not.
+    """
+
+    rank: int
+    layout: Layout
+    files: list[str]
+    file_ids: torch.Tensor  # int64 [n]
+    frame_idx: torch.Tensor  # int64 [n]
+    json: list[list]
+    chunks: list[list[torch.Tensor]] = field(default_factory=list)
+    lengths: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def num_frames(self) -> int:
+        """Frames in the part."""
+        return self.frame_idx.numel()
+
+    @property
+    def value_rows(self) -> int:
+        """Rows of its ragged leaves' values, all leaves together."""
+        return sum(int(n.sum()) for n in self.lengths if n is not None)
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes of its frames."""
+        values = [
+            int(n.sum()) * leaf.row_nbytes
+            for leaf, n in zip(self.layout.leaves, self.lengths, strict=False)
+            if n is not None
+        ]
+        return self.num_frames * self.layout.frame_nbytes + sum(values)
+
+    @cached_property
+    def names(self) -> list[str]:
+        """The filenames its rows use (found once: placement and merge both ask)."""
+        return [self.files[i] for i in torch.unique(self.file_ids).tolist()]
+
+
+@dataclass
+class Group:
+    """Frames of one layout, columnar: filenames sorted, each one's rows sorted by ``frame_idx``.
+
+    Filename ``files[i]`` holds rows ``starts[i] : starts[i] + counts[i]`` of ``frame_idx``, of
+    every tensor in ``leaves`` (``[N, *leaf.shape]``; a `Ragged` of N frames for a ragged leaf)
+    and of every list in ``json``. ``rank`` (int32 ``[N]``), where known, is the rank that sent each row.
+    """
+
+    layout: Layout
+    files: list[str]
+    counts: list[int]
+    frame_idx: torch.Tensor
+    leaves: list[torch.Tensor]
+    json: list[list]
+    rank: torch.Tensor | None = None
+    starts: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.starts = torch.tensor([0, *self.counts], dtype=torch.int64).cumsum(0)[:-1].tolist()
+
+    @property
+    def num_frames(self) -> int:
+        """Frames in the group."""
+        return self.frame_idx.numel()
+
+    def without(self, names: list[str]) -> Group:
+        """A copy of the group without the frames of ``names``."""
+        gone = set(names)
+        keep = [i for i, name in enumerate(self.files) if name not in gone]
+        rows = torch.cat([torch.arange(self.starts[i], self.starts[i] + self.counts[i]) for i in keep] or [_NO_ROWS])
+        return Group(
+            self.layout,
+            [self.files[i] for i in keep],
+            [self.counts[i] for i in keep],
+            self.frame_idx[rows],
+            [t.index_select(0, rows) for t in self.leaves],
+            [[values[k] for k in rows.tolist()] for values in self.json],
+            None if self.rank is None else self.rank[rows],
+        )
+
+    def frames(self, i: int) -> Frames:
+        """The `Frames` of ``files[i]``: views of the group's buffers."""
+        lo, n = self.starts[i], self.counts[i]
+        tensors = [t[lo : lo + n] for t in self.leaves]
+        json = [values[lo : lo + n] for values in self.json]
+        return Frames(
+            frame_idx=self.frame_idx[lo : lo + n], frames=rebuild(self.layout, n, tensors, json), batch_size=[n]
+        )
+
+
+@dataclass
+class Placement:
+    """Where every row of one layout goes, over all its sources.
+
+    Buffer rows ``0 .. N-1`` are the result; row ``N + d`` holds later copy ``d``, which repeats
+    result row ``kept[d]``.
+    """
+
+    layout: Layout
+    files: list[str]
+    counts: list[int]
+    frame_idx: torch.Tensor  # int64 [N]
+    dest: list[torch.Tensor]  # per source, in the order given: each row's buffer row
+    kept: torch.Tensor  # int64 [D]
+    kept_rank: torch.Tensor  # int64 [D]: the rank of the kept copy
+    later_rank: torch.Tensor  # int64 [D]: the rank of the later copy
+    json: list[list]  # N values per JSON leaf
+    later_json: list[list]  # D values per JSON leaf
+    offsets: list[torch.Tensor | None] = field(default_factory=list)  # per ragged leaf: [N + D + 1]
+    # per source, per leaf: the buffer rows its rows go to (a ragged leaf's: `ValuePlaces`, sliced as needed)
+    leaf_dest: list[list[Any]] = field(default_factory=list)
+    rank: torch.Tensor | None = None  # int32 [N]: the rank of each result row's (kept) copy
+
+    @property
+    def num_frames(self) -> int:
+        """Frames in the result."""
+        return self.frame_idx.numel()
+
+    def allocate(self, leaves: list[int] | None = None) -> list[Any]:
+        """One buffer per leaf (or per leaf of ``leaves``), ``[N + D, *leaf.shape]``.
+
+        Rows ``0 .. N-1`` are the result, then the later copies. A ragged leaf's buffer is a
+        `Ragged` of N + D frames over new values.
+        """
+        rows = self.num_frames + self.kept.numel()
+        offsets = self.offsets or [None] * len(self.layout.leaves)
+        out = []
+        for j in range(len(self.layout.leaves)) if leaves is None else leaves:
+            leaf, off = self.layout.leaves[j], offsets[j]
+            if off is None:
+                out.append(torch.empty((rows, *leaf.shape), dtype=leaf.dtype))
+            else:
+                out.append(Ragged(torch.empty((int(off[-1]), *leaf.shape), dtype=leaf.dtype), off))
+        return out
+
+    def group(self, buffers: list[torch.Tensor]) -> Group:
+        """The result: views of the first N rows."""
+        n = self.num_frames
+        leaves = [b[:n] for b in buffers]
+        return Group(self.layout, self.files, self.counts, self.frame_idx, leaves, self.json, self.rank)
+
+    def salvage(self, buffers: list[torch.Tensor], landed: torch.Tensor) -> Group:
+        """The result from the rows that landed (a sender failed part-way), one copy per frame.
+
+        A frame whose first copy never came takes a later copy that did.
+        """
+        n = self.num_frames
+        have = landed[:n].clone()
+        take = torch.arange(n)  # the buffer row each result row is taken from
+        rank = None if self.rank is None else self.rank.clone()
+        if self.kept.numel():
+            stand_in = (landed[n:] & ~have[self.kept]).nonzero().flatten()
+            take[self.kept[stand_in]] = n + stand_in
+            have[self.kept[stand_in]] = True
+            if rank is not None:
+                rank[self.kept[stand_in]] = self.later_rank[stand_in].to(torch.int32)
+        keep = have.nonzero().flatten()
+        file_of = torch.repeat_interleave(torch.arange(len(self.files)), torch.tensor(self.counts, dtype=torch.int64))
+        counts = torch.bincount(file_of[keep], minlength=len(self.files)).tolist()
+        return Group(
+            self.layout,
+            [f for f, c in zip(self.files, counts, strict=True) if c],
+            [c for c in counts if c],
+            self.frame_idx[keep],
+            [b.index_select(0, take[keep]) for b in buffers],
+            [[values[k] for k in keep.tolist()] for values in self.json],
+            None if rank is None else rank[keep],
+        )
+
+    def check_duplicates(self, buffers: list[torch.Tensor], policy: Any) -> DuplicateCounts:
+        """Compare every later copy with the row it repeats; raise when the policy refuses one."""
+        d = self.kept.numel()
+        if not d:
+            return DuplicateCounts()
+        later = torch.arange(self.num_frames, self.num_frames + d)
+        verdict = compare(
+            self.layout,
+            [b.index_select(0, later) for b in buffers],
+            [b.index_select(0, self.kept) for b in buffers],
+            self.later_json,
+            [[values[k] for k in self.kept.tolist()] for values in self.json],
+            policy,
+        )
+        if bool(verdict.refused.any()):
+            k = int(verdict.refused.nonzero()[0])
+            row = int(self.kept[k])
+            name = self.files[int(torch.searchsorted(torch.tensor(self.counts).cumsum(0), row, right=True))]
+            who = f"ranks {int(self.kept_rank[k])} and {int(self.later_rank[k])}"
+            raise conflict(name, int(self.frame_idx[row]), verdict.describe(k), policy, who)
+        return verdict.counts
+
+
+# filename -> (the layout kept, the error that names the other): what `place` and
+# `tdgather.storage.writer.DatasetWriter.write` report instead of raising, when asked to go on
+Mismatches = dict[str, tuple[Layout, ShapeMismatchError]]
+
+
+def place(parts: list[Part], mismatches: Mismatches | None = None) -> list[tuple[Placement, list[Part]]]:
+    """Plan every layout of ``parts`` (lowest rank first); return each placement with its parts.
+
+    A filename that comes with two layouts (from one rank or two) raises `ShapeMismatchError`;
+    given ``mismatches``, it is recorded there instead, with the layout of the first part that
+    has it, and placed in both: `keep_first_layouts` then drops the frames of the other.
+    """
+    by_layout: dict[Layout, list[Part]] = {}
+    owner: dict[str, tuple[Layout, int]] = {}
+    for part in parts:
+        if not part.num_frames:
+            continue
+        for name in part.names:
+            layout, rank = owner.setdefault(name, (part.layout, part.rank))
+            if layout != part.layout and name not in (mismatches or ()):
+                error = ShapeMismatchError(
+                    f"filename {name!r}: rank {rank} sent {layout.describe()} but rank {part.rank} sent "
+                    f"{part.layout.describe()} (ranks {sorted({rank, part.rank})}); every frame of a filename "
+                    f"must have the same structure, shape and dtype{ragged_hint(layout, part.layout)}"
+                )
+                if mismatches is None:
+                    raise error
+                mismatches[name] = (layout, error)
+        by_layout.setdefault(part.layout, []).append(part)
+    return [(_place_layout(layout, group), group) for layout, group in by_layout.items()]
+
+
+def keep_first_layouts(groups: list[Group], mismatches: Mismatches) -> list[Group]:
+    """``groups`` without the frames of a mismatched filename in any layout but the one kept."""
+    out = []
+    for g in groups:
+        drop = [name for name in g.files if name in mismatches and mismatches[name][0] != g.layout]
+        out.append(g.without(drop) if drop else g)
+    return out
+
+
+def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
+    names = sorted({n for p in parts for n in p.names})
+    fid = {n: i for i, n in enumerate(names)}
+    fids = torch.cat([torch.tensor([fid.get(n, -1) for n in p.files], dtype=torch.int64)[p.file_ids] for p in parts])
+    idx = torch.cat([p.frame_idx for p in parts])
+    sizes = [p.num_frames for p in parts]
+    total = idx.numel()
+    # 1. sort by (file, frame_idx), stably: one sort of a joint key where it fits in int64
+    low = int(idx.min()) if total else 0
+    span = int(idx.max()) - low + 1 if total else 1
+    if len(names) * span < 1 << 62:
+        key, order = torch.sort(fids * span + (idx - low), stable=True)
+        sf, si = None, None
+    else:
+        order = torch.argsort(idx, stable=True)
+        order = order[torch.argsort(fids[order], stable=True)]
+        sf, si = fids[order], idx[order]
+        key = None
+    # 2. the first copy of each frame takes the next result row; later copies go past the end
+    first = torch.ones(total, dtype=torch.bool)
+    if key is not None:
+        torch.ne(key[1:], key[:-1], out=first[1:])
+        first_key = key[first]
+        first_file, first_idx = first_key // span, first_key % span + low
+    else:
+        first[1:] = (sf[1:] != sf[:-1]) | (si[1:] != si[:-1])
+        first_file, first_idx = sf[first], si[first]
+    n = first_file.numel()
+    dest_all = torch.empty_like(order)
+    if n == total:  # no copies: sorted row k is result row k
+        dest_all[order] = torch.arange(total)
+        kept = later_pos = torch.empty(0, dtype=torch.int64)
+    else:
+        firsts = first.cumsum(0)
+        later = ~first
+        # sorted row k is the (k - firsts[k])-th later copy when it is not a first
+        pos = torch.where(first, firsts - 1, n + torch.arange(total) - firsts)
+        dest_all[order] = pos
+        later_pos, kept = order[later], firsts[later] - 1
+    bounds = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
+    ranks = torch.tensor([p.rank for p in parts], dtype=torch.int64)
+    first_rank = ranks[torch.searchsorted(bounds, order[first], right=True)].to(torch.int32)
+    later_rank = ranks[torch.searchsorted(bounds, later_pos, right=True)]
+    kept_rank = ranks[torch.searchsorted(bounds, order[first][kept], right=True)] if kept.numel() else kept
+    json_all = [[v for p in parts for v in p.json[j]] for j in range(len(layout.nontensor))]
+    json, later_json = [], []
+    if json_all:
+        keep_pos, later_list = order[first].tolist(), later_pos.tolist()
+        json = [[values[k] for k in keep_pos] for values in json_all]
+        later_json = [[values[k] for k in later_list] for values in json_all]
+    dest = list(torch.split(dest_all, sizes))
+    offsets, leaf_dest = _ragged_places(layout, parts, dest, dest_all, n + kept.numel())
+    return Placement(
+        layout,
+        names,
+        torch.bincount(first_file, minlength=len(names)).tolist(),
+        first_idx,
+        dest,
+        kept,
+        kept_rank,
+        later_rank,
+        json,
+        later_json,
+        offsets,
+        leaf_dest,
+        first_rank,
+    )
+
+
+def _ragged_places(
+    layout: Layout, parts: list[Part], dest: list[torch.Tensor], dest_all: torch.Tensor, rows: int
+) -> tuple[list, list[list[Any]]]:
+    """Per ragged leaf, the buffer's offsets; per source and leaf, where its value rows go.
+
+    Buffer row ``dest[r]`` holds source row ``r``, so it has that row's length; a source's value
+    rows of frame ``r`` go to ``offsets[dest[r]]`` on.
+    """
+    if not layout.ragged:
+        return [], [[d] * len(layout.leaves) for d in dest]
+    offsets: list[torch.Tensor | None] = []
+    leaf_dest: list[list[Any]] = [[] for _ in parts]
+    for j, leaf in enumerate(layout.leaves):
+        if not leaf.ragged:
+            offsets.append(None)
+            for k, d in enumerate(dest):
+                leaf_dest[k].append(d)
+            continue
+        lengths = torch.empty(rows, dtype=torch.int64)
+        lengths[dest_all] = torch.cat([p.lengths[j] for p in parts])
+        off = offsets_of(lengths)
+        offsets.append(off)
+        for k, (p, d) in enumerate(zip(parts, dest, strict=True)):
+            leaf_dest[k].append(ValuePlaces(d, p.lengths[j], off))
+    return offsets, leaf_dest
+
+
+class ValuePlaces:
+    """Where a source's value rows of one ragged leaf go in the buffer's values, a slice at a time.
+
+    Source frame ``r`` has ``lengths[r]`` rows; they go to rows ``offsets[dest[r]]`` on. Slicing gives
+    the places of value rows ``a .. b-1`` (int64): an index of every value row (8 bytes a row, twice
+    a score's 4) is never held whole, only a piece's at a time.
+    """
+
+    def __init__(self, dest: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor) -> None:
+        self.dest, self.lengths, self.offsets = dest, lengths, offsets
+        self.ends = torch.cumsum(lengths, 0)
+        self.total = int(self.ends[-1]) if lengths.numel() else 0
+
+    def numel(self) -> int:
+        """Value rows of the source."""
+        return self.total
+
+    def __getitem__(self, s: slice) -> torch.Tensor:
+        a, b, _ = s.indices(self.total)
+        if b <= a:
+            return torch.empty(0, dtype=torch.int64)
+        r0 = int(torch.searchsorted(self.ends, a, right=True))  # the frame holding row a
+        r1 = int(torch.searchsorted(self.ends, b - 1, right=True)) + 1  # past the frame holding row b - 1
+        first = int(self.ends[r0] - self.lengths[r0])
+        places = element_index(self.offsets[self.dest[r0:r1]], self.lengths[r0:r1])
+        return places[a - first : b - first]
+
+
+_SMALL_CHUNK = 1 << 20  # below this average batch size, chunks are joined and scattered together,
+_JOINED = 16 << 20  # in joined chunks of about this many bytes
+
+
+def _joined(chunks: list[list[torch.Tensor]], leaves: int) -> list[list[torch.Tensor]]:
+    """Consecutive chunks joined into chunks of about `_JOINED` bytes (so a scatter's index stays small)."""
+    out, run, size = [], [], 0
+    for c in [*chunks, None]:
+        if c is None or (run and size >= _JOINED):
+            out.append([torch.cat([r[j] for r in run]) for j in range(leaves)])
+            run, size = [], 0
+        if c is not None:
+            run.append(c)
+            size += sum(t.numel() * t.element_size() for t in c)
+    return out
+
+
+def scatter_chunks(buffers: list[Any], dests: list[torch.Tensor], chunks: list[list[torch.Tensor]]) -> None:
+    """Copy a part's chunks (consecutive batches of rows) to rows ``dests[j]`` of each leaf's buffer.
+
+    A ragged leaf's buffer is a `Ragged`: its chunks' value rows go to rows ``dests[j]`` of its values.
+    """
+    if not chunks or not buffers:
+        return
+    nbytes = sum(t.numel() * t.element_size() for c in chunks for t in c)
+    if len(chunks) > 8 and nbytes < len(chunks) * _SMALL_CHUNK:  # many small batches: few scatters per leaf
+        chunks = _joined(chunks, len(buffers))
+    runs: dict[int, list] = {}  # leaves that are not ragged share one dest: its runs are found once
+    for j, (buf, dest) in enumerate(zip(buffers, dests, strict=True)):
+        data = values_of(buf)
+        if id(dest) not in runs:
+            bounds = torch.tensor([0] + [c[j].shape[0] for c in chunks]).cumsum(0).tolist()
+            runs[id(dest)] = [(dest[a:b], run_start(dest[a:b])) for a, b in zip(bounds, bounds[1:], strict=False)]
+        for chunk, (d, first) in zip(chunks, runs[id(dest)], strict=True):
+            if d.numel():
+                scatter_rows(data, d if first is None else first, chunk[j])

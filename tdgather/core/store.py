@@ -1,0 +1,608 @@
+"""Stage 1, the per-rank frame store: predictions in, groups of batches out (by layout).
+
+Frames are grouped by `Layout` (structure, dtypes, per-frame shapes), so a
+group is a variable-length stack of same-shaped frames: it needs no padding.
+
+`FrameStore.add` runs in the inference loop, so it does little per batch:
+
+- a CPU tensor of a dtype and shape seen before, with int64 frame indexes, skips `flatten`
+  and `as_index` (its layout's group is cached by dtype and shape);
+- filenames are checked (str, encodable as UTF-8) with one join, then kept as given (a
+  reference a row, so a name built per frame stays alive until `FrameStore.parts`);
+- a small batch to copy (up to 64 KiB) is copied, frame indexes and frames, into its layout's
+  open block (one ``memmove`` each), after the batches before it: blocks double from 64 KiB to
+  4 MiB and are sent as they are (`tdgather.dist.pack`); other batches are chunks of their own.
+
+A filename given with two layouts is refused by the `add` or `update` that brings the second
+one, and nothing of that batch is kept: a `tdgather.Collector` goes on with what it holds
+(C-level set operations on the batch's names, not a lookup per frame). Deferred to
+`FrameStore.parts` / ``groups()`` / ``names`` (C-level passes over all the rows, once):
+filenames get their ids.
+
+What the store keeps of a batch given to `FrameStore.add`:
+
+- CUDA tensors are copied to the host once, asynchronously, into pinned memory; so are the
+  values of a ragged leaf on the GPU (a jagged nested tensor, or a list of per-image dicts
+  joined on the GPU), whose offsets (T + 1 int64) are read to the host when the batch is added;
+- CPU tensors are copied (``copy=True``, the default), because inference loops often
+  reuse their output buffers, and ``inference_mode`` tensors carry no version counter
+  that could tell; with ``copy=False`` they are kept by reference, and the caller must
+  not modify them until they are sent;
+- either way, a view of a much larger storage (``out[:, :2]``) is compacted, so the
+  store holds, and the memory budget counts, only the frames' own bytes (plus, uncounted,
+  the unused rest of each layout's open block: under 4 MiB);
+- conjugate and negative views are resolved, so the bits sent are the values seen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import math
+import operator
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ShapeMismatchError, UnsupportedValueError
+from .frames import Layout, RaggedSpec, check_ragged_names, flatten, ragged_hint
+from .plan import Part
+from .ragged import Ragged
+
+__all__ = ["FrameStore", "as_index", "as_store", "index_value"]
+
+_SMALL = 64 << 10  # a copied batch of at most this many bytes goes into its layout's open block
+_BLOCK_MIN = 64 << 10  # a layout's first block; each next one twice as large, up to _BLOCK_MAX
+_BLOCK_MAX = 4 << 20
+_memmove = ctypes.memmove
+
+
+@dataclass
+class _Chunk:
+    file_ids: torch.Tensor  # int64 [B]
+    frame_idx: torch.Tensor  # int64 [B]
+    tensors: list[Any]  # [B, *leaf.shape] on the CPU; a `Ragged` for a ragged leaf
+    json: list[list]  # B values per JSON leaf
+
+
+class _Bucket:
+    """Frames of one layout collected by `FrameStore.update`, before they are joined into a batch.
+
+    ``how`` joins each leaf's frames: ``"stack"`` (one tensor a frame), ``"cat"`` (batches of one:
+    tensors ``[1, ...]`` and `Ragged` columns of one frame), ``"ragged"`` (one tensor ``[N_i, ...]``
+    a frame, of a ragged plain tensor).
+    """
+
+    __slots__ = ("how", "idx", "json", "layout", "leaves", "names")
+
+    def __init__(self, layout: Layout, how: str = "stack") -> None:
+        self.layout, self.how = layout, how
+        self.names: list[str] = []
+        self.idx: list = []
+        self.leaves: list[list] = [[] for _ in layout.leaves]
+        self.json: list[list] = [[] for _ in layout.nontensor]
+
+
+class _Group:
+    """The rows of one layout, in the order added.
+
+    Filenames wait in ``pending`` until `FrameStore._intern` gives them ids. Frame indexes and
+    tensor leaves are chunks of rows (``idx[c]``, and ``chunks[c][j]`` for leaf ``j``), then rows
+    ``start:fill`` of the open block (``block_idx``, ``block``), which small batches are copied into.
+    """
+
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.pending: list[str] = []
+        self.ids: list[torch.Tensor] = []  # file ids of the rows before the pending ones
+        self.files: set[str] = set()  # the filenames of its rows
+        self.json: list[list] = [[] for _ in layout.nontensor]
+        self.idx: list[torch.Tensor] = []
+        self.chunks: list[list[torch.Tensor]] = []
+        self.leaf_bytes = [math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in layout.leaves]
+        self.frame_nbytes = layout.frame_nbytes  # ragged leaves not counted: their values are, per batch
+        # rows of a batch copied into the open block (layouts with a ragged leaf are kept as given)
+        self.small = _SMALL // self.frame_nbytes if self.frame_nbytes and not layout.ragged else 0
+        self.block_idx = torch.empty(0, dtype=torch.int64)
+        self.block: list[torch.Tensor] = []
+        self.idx_addr = 0
+        self.addr: list[int] = []  # of the block's leaves
+        self.start = self.fill = self.cap = 0
+
+    def copy_in(self, idx: torch.Tensor, tensors: tuple | list, n: int) -> None:
+        """Copy a batch of ``n`` rows (all contiguous on the CPU, indexes int64) into the open block."""
+        if self.fill + n > self.cap:
+            self.seal()
+            size = max(_BLOCK_MIN, min(_BLOCK_MAX, 2 * self.cap * (8 + self.frame_nbytes)))
+            self.cap = max(n, size // (8 + self.frame_nbytes))
+            self.block_idx = torch.empty(self.cap, dtype=torch.int64)
+            self.block = [torch.empty((self.cap, *leaf.shape), dtype=leaf.dtype) for leaf in self.layout.leaves]
+            self.idx_addr, self.addr = self.block_idx.data_ptr(), [b.data_ptr() for b in self.block]
+            self.start = self.fill = 0
+        at = self.fill
+        _memmove(self.idx_addr + 8 * at, idx.data_ptr(), 8 * n)
+        for addr, size, t in zip(self.addr, self.leaf_bytes, tensors, strict=True):
+            _memmove(addr + at * size, t.data_ptr(), n * size)
+        self.fill = at + n
+
+    def keep(self, idx: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """Add a batch as a chunk of its own."""
+        self.seal()
+        self.idx.append(idx)
+        self.chunks.append(tensors)
+
+    def seal(self) -> None:
+        """End the open block's chunk here (later batches start a new one)."""
+        if self.fill > self.start:
+            self.idx.append(self.block_idx[self.start : self.fill])
+            self.chunks.append([b[self.start : self.fill] for b in self.block])
+            self.start = self.fill
+
+
+def _this_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class FrameStore:
+    """The frames one rank holds, before they are sent.
+
+    Args:
+        copy: copy CPU tensors given to `add` (default), so the loop may reuse its output
+            buffers; with False they are kept by reference and must not change until sent.
+
+    Example:
+        >>> store = FrameStore()
+        >>> store.add(["a.mp4", "a.mp4"], [1, 0], torch.zeros(2, 3))
+        >>> store.update({"b.mp4": (0, torch.ones(3))})
+        >>> len(store), store.nbytes
+        (3, 36)
+    """
+
+    def __init__(self, copy: bool = True, saved: Mapping[str, Layout] | None = None) -> None:
+        self.copy = copy
+        self._saved = saved or {}  # a resumed run's layouts: a filename must keep the one it was saved with
+        self._groups: dict[Layout, _Group] = {}
+        self._plain: dict[tuple, _Group] = {}  # plain tensors' groups by (dtype, batch shape)
+        self._ids: dict[str, int] = {}
+        self._owner: dict[str, Layout] = {}  # each filename's layout
+        self._names: list[str] = []
+        self._copies: list = []  # CUDA events of pending device-to-host copies
+        self.num_frames = 0
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return self.num_frames
+
+    def add(
+        self,
+        filenames: str | Sequence[str],
+        frame_idx: torch.Tensor | Sequence[int],
+        frames: Any,
+        *,
+        ragged: bool | str | Iterable[str] = (),
+    ) -> None:
+        """Add a batch of B frames (B may be 0).
+
+        Args:
+            filenames: B names (a list or tuple of str, as a DataLoader collates them), or one
+                name for all B frames.
+            frame_idx: B integers: an integer tensor or array, or a list of ints, numpy integers
+                or one-element integer tensors. Floats and bools are refused, never truncated.
+            frames: ``Tensor[B, ...]``, or a dict / TensorDict / tensorclass with batch dim B, or
+                a list of B frames (tensors, dicts, ...). A leaf may be ragged (its first dim
+                differs per frame): a jagged nested tensor ``[B, j, ...]``, or in a list of
+                frames a tensor whose first dim differs between them.
+            ragged: leaves that are ragged even when every frame of this batch happens to have
+                the same first dim (a batch of one, say): dotted keys (``"boxes"``,
+                ``"det.boxes"``), or True for every tensor leaf that has a dim (fixed-size ones
+                too: name the leaves when a frame has both kinds).
+
+        Raises:
+            ShapeMismatchError: a filename this store holds with another layout; nothing of the
+                batch is kept (in a Collector, a filename sent in an earlier chunk is checked by
+                rank dst).
+        """
+        n = frame_idx.shape[0] if _is_plain_index(frame_idx) else 0
+        g = None
+        if ragged:
+            return self._add_any(filenames, frame_idx, frames, _ragged_spec(ragged))
+        if n and type(frames) is torch.Tensor and frames.is_cpu and not frames.is_nested:
+            g = self._plain.get((frames.dtype, frames.shape)) if frames.layout is torch.strided else None
+        names = filenames if type(filenames) is list else [filenames] * n if isinstance(filenames, str) else ()
+        if g is None or frames.size(0) != n or len(names) != n:
+            return self._add_any(filenames, frame_idx, frames)
+        # the common case, fast: a CPU tensor of a dtype and shape seen before, int64 frame indexes
+        _check_filenames(names)
+        self._claim(g, names)
+        g.pending += names
+        if self.copy and n <= g.small and frames.is_contiguous() and not (frames.is_conj() or frames.is_neg()):
+            g.copy_in(frame_idx, (frames,), n)
+        else:
+            g.keep(frame_idx.clone(), [self._keep(frames, self.copy)])
+        self.num_frames += n
+        self.nbytes += n * g.frame_nbytes
+        return None
+
+    def _add_any(self, filenames: Any, frame_idx: Any, frames: Any, ragged: RaggedSpec = frozenset()) -> None:
+        """Any batch, checked in full."""
+        idx = as_index(frame_idx, "add() frame_idx")
+        count = idx.numel()
+        names = [filenames] * count if isinstance(filenames, str) else list(filenames)
+        if len(names) != count:
+            raise ValueError(
+                f"add(): got {len(names)} filenames and {count} frame indices; expected one filename and one "
+                "frame_idx per frame (and frames with that batch dimension)"
+            )
+        layout, tensors, json = flatten(frames, count, "add() frames", ragged)
+        if not count:
+            return
+        _check_filenames(names)
+        group = self._groups.get(layout) or _Group(layout)
+        self._claim(group, names)
+        self._groups.setdefault(layout, group)
+        if type(frames) is torch.Tensor and not layout.ragged:
+            self._plain[(frames.dtype, frames.shape)] = group
+        self._append(group, names, idx, tensors, json, self.copy)
+
+    def update(self, predictions: Mapping[str, Any], *, ragged: bool | str | Iterable[str] = ()) -> None:
+        """Add ``{filename: (frame_idx, value)}`` or ``{filename: [(frame_idx, value), ...]}``.
+
+        ``ragged``: the leaves whose first dim changes from frame to frame (as in `add`).
+        """
+        fast: dict[tuple, _Bucket] = {}  # plain tensors by (dtype, shape): no Layout hashed per frame
+        other: dict[Layout, _Bucket] = {}
+        spec = _ragged_spec(ragged) if ragged else frozenset()
+        plain_ragged = spec is True or "" in spec  # a plain tensor's rows vary: keyed by the shape of a row
+        known: set[str] = set()  # the tensor leaves seen: each name in ragged= must be one of them somewhere
+        for name, entry in predictions.items():
+            for pair in _pairs(name, entry):
+                try:
+                    fi, value = pair
+                except (TypeError, ValueError):
+                    raise _not_a_pair(name, pair) from None
+                if (
+                    type(value) is torch.Tensor
+                    and value.layout is torch.strided
+                    and not value.is_nested
+                    and (not spec or (plain_ragged and value.dim()))
+                ):
+                    key = (value.dtype, value.shape[1:] if spec else value.shape)
+                    bucket = fast.get(key)
+                    if bucket is None:
+                        where = f"filename {name!r}"
+                        layout = flatten([value], 1, where, spec, False)[0] if spec else flatten(value, None, where)[0]
+                        known.update(".".join(leaf.path) for leaf in layout.leaves)
+                        bucket = fast[key] = _Bucket(layout, "ragged" if spec else "stack")
+                    bucket.names.append(name)
+                    bucket.idx.append(fi)
+                    bucket.leaves[0].append(value)
+                else:
+                    if spec:  # a batch of one frame: its ragged leaves are Ragged, the others [1, ...]
+                        layout, tensors, json = flatten([value], 1, f"filename {name!r}", spec, False)
+                        known.update(".".join(leaf.path) for leaf in layout.leaves)
+                        json = [values[0] for values in json]
+                    else:
+                        layout, tensors, json = flatten(value, None, f"filename {name!r}")
+                    bucket = other.get(layout) or other.setdefault(layout, _Bucket(layout, "cat" if spec else "stack"))
+                    bucket.names.append(name)
+                    bucket.idx.append(fi)
+                    for lst, t in zip(bucket.leaves, tensors, strict=True):
+                        lst.append(t)
+                    for lst, v in zip(bucket.json, json, strict=True):
+                        lst.append(v)
+        if known:
+            check_ragged_names(spec, known, "update()")
+        buckets = [(b, as_index(b.idx, "frame_idx", b.names)) for b in [*fast.values(), *other.values()]]
+        claimed: dict[str, Layout] = {}
+        for b, _ in buckets:
+            _check_filenames(b.names)
+            for name in dict.fromkeys(b.names):
+                first = claimed.setdefault(name, self._owner.get(name, b.layout))
+                if first != b.layout:
+                    raise _mismatch(name, first, b.layout)
+                if self._saved.get(name, b.layout) != b.layout:
+                    raise _mismatch(name, self._saved[name], b.layout, saved=True)
+        for b, idx in buckets:  # checked: nothing is half-added
+            tensors = [_join(ts, b.how) for ts in b.leaves]
+            group = self._group(b.layout)
+            self._claim(group, b.names)
+            self._append(group, b.names, idx, tensors, b.json, copy=False)
+
+    def _claim(self, g: _Group, names: list[str]) -> None:
+        """Record that ``names`` have ``g``'s layout; refuse, before anything is added, a name that has another."""
+        if g.files.issuperset(names):  # the common case: names this group holds already
+            return
+        fresh = set(names).difference(g.files)
+        clash = self._owner.keys() & fresh
+        if clash:
+            name = min(clash, key=names.index)
+            raise _mismatch(name, self._owner[name], g.layout)
+        clash = {name for name in self._saved.keys() & fresh if self._saved[name] != g.layout}
+        if clash:
+            name = min(clash, key=names.index)
+            raise _mismatch(name, self._saved[name], g.layout, saved=True)
+        g.files |= fresh
+        self._owner.update(dict.fromkeys(fresh, g.layout))
+
+    def _group(self, layout: Layout) -> _Group:
+        group = self._groups.get(layout)
+        if group is None:
+            group = self._groups[layout] = _Group(layout)
+        return group
+
+    def _append(self, g: _Group, names: list[str], idx: torch.Tensor, tensors: list, json: list, copy: bool) -> None:
+        n = idx.shape[0]
+        if not n:
+            return
+        g.pending += names
+        if (
+            copy
+            and n <= g.small
+            and _is_plain_index(idx)
+            and all(t.is_cpu and t.is_contiguous() and _unflagged(t) for t in tensors)
+        ):
+            g.copy_in(idx, tensors, n)
+        else:
+            g.keep(idx.clone(), [self._keep(t, copy) for t in tensors])
+        for values, new in zip(g.json, json, strict=True):
+            values += new
+        self.num_frames += n
+        self.nbytes += n * g.frame_nbytes + sum(t.nbytes for t in tensors if isinstance(t, Ragged))
+
+    def _keep(self, t: Any, copy: bool) -> Any:
+        """What the store holds of ``t`` (see the module docstring): a CPU tensor of its own bytes.
+
+        Of a ragged leaf, its frames' rows (and their lengths), nothing before or after them.
+        """
+        if isinstance(t, Ragged):
+            values, lengths = t.span()
+            return Ragged.from_lengths(self._keep(values, copy), lengths.cpu())
+        t = t.detach()
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()  # a new tensor already: no further copy needed
+            copy = False
+        if t.device.type == "cpu":
+            if copy:
+                return t.clone(memory_format=torch.contiguous_format)
+            if t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size() + 4096:
+                return t.clone(memory_format=torch.contiguous_format)  # a view of a larger storage
+            return t
+        if t.device.type != "cuda":  # another accelerator: one synchronous copy
+            return t.to("cpu", memory_format=torch.contiguous_format)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))
+        self._copies.append(event)
+        return host
+
+    def _intern(self) -> None:
+        """Give ids to the filenames added since the last call, with C-level passes over the rows."""
+        ids = self._ids
+        for g in self._groups.values():
+            if not g.pending:
+                continue
+            fresh = dict.fromkeys(g.pending)  # in order of first appearance
+            new = fresh.keys() - ids.keys()  # each name has one layout (`_claim`): new to the store
+            if new:
+                ordered = list(filter(new.__contains__, fresh))
+                ids.update(zip(ordered, itertools.count(len(self._names))))
+                self._names += ordered
+            g.ids.append(torch.frombuffer(array("q", map(ids.__getitem__, g.pending)), dtype=torch.int64))
+            g.pending = []
+
+    def synchronize(self) -> None:
+        """Wait until every device-to-host copy made by `add` has landed."""
+        for event in self._copies:
+            event.synchronize()
+        self._copies.clear()
+
+    @property
+    def names(self) -> list[str]:
+        """The filenames added so far (their ids): by layout, in order of first appearance."""
+        self._intern()
+        return self._names
+
+    def parts(self, rank: int) -> list[Part]:
+        """The frames as one `Part` per layout, viewing the stored batches: no copy."""
+        self.synchronize()
+        self._intern()
+        parts = []
+        for g in self._groups.values():
+            g.seal()
+            if len(g.ids) > 1:
+                g.ids = [torch.cat(g.ids)]
+            idx = torch.cat(g.idx) if len(g.idx) > 1 else g.idx[0]
+            json = [values[:] for values in g.json]
+            chunks, lengths = g.chunks[:], []
+            if g.layout.ragged:  # a ragged leaf's chunks are its values; its lengths go beside them
+                lengths = [
+                    torch.cat([c[j].lengths for c in chunks]) if leaf.ragged else None
+                    for j, leaf in enumerate(g.layout.leaves)
+                ]
+                chunks = [[t.values if isinstance(t, Ragged) else t for t in c] for c in chunks]
+            parts.append(Part(rank, g.layout, self._names, g.ids[0], idx, json, chunks, lengths))
+        return parts
+
+    def groups(self) -> list[tuple[Layout, list[_Chunk]]]:
+        """The chunks of every layout, in the order added (after every device copy has landed)."""
+        out = []
+        for part, g in zip(self.parts(0), self._groups.values(), strict=True):
+            sizes = [i.shape[0] for i in g.idx]
+            ids = part.file_ids.split(sizes)
+            ends = itertools.accumulate(sizes)
+            chunks = [
+                _Chunk(ids[c], g.idx[c], tensors, [values[end - n : end] for values in part.json])
+                for c, (tensors, n, end) in enumerate(zip(g.chunks, sizes, ends, strict=True))
+            ]
+            out.append((part.layout, chunks))
+        return out
+
+    @property
+    def _chunks(self) -> dict[Layout, list[_Chunk]]:
+        """``groups()`` as a dict (for tests that look inside)."""
+        return dict(self.groups())
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks held: blocks of small batches copied together, and batches kept as they are."""
+        return sum(len(g.chunks) + (g.fill > g.start) for g in self._groups.values())
+
+
+def as_store(predictions: FrameStore | Mapping[str, Any], ragged: Any = ()) -> FrameStore:
+    """Return ``predictions`` as a `FrameStore` (a store passes through); ``ragged`` as `FrameStore.update` takes it."""
+    if isinstance(predictions, FrameStore):
+        return predictions
+    if not isinstance(predictions, Mapping):
+        raise UnsupportedValueError(
+            "expected a dict {filename: (frame_idx, tensor)}, {filename: [(frame_idx, tensor), ...]} "
+            f"or a tdgather.FrameStore, got {type(predictions).__name__}"
+        )
+    store = FrameStore()
+    store.update(predictions, ragged=ragged)
+    return store
+
+
+def _pairs(name: str, entry: Any) -> Iterable[Any]:
+    if isinstance(entry, tuple) and len(entry) == 2 and not isinstance(entry[0], tuple | list):
+        return (entry,)  # one (frame_idx, value) pair; the index is checked with the others
+    if isinstance(entry, list | tuple):
+        return entry  # each item is unpacked (and checked) by the caller
+    raise _not_a_pair(name, entry)
+
+
+def _not_a_pair(name: str, got: Any) -> UnsupportedValueError:
+    return UnsupportedValueError(
+        f"filename {name!r}: expected (frame_idx, value) or a list of (frame_idx, value) pairs, "
+        f"got {type(got).__name__}"
+    )
+
+
+def index_value(x: Any) -> int | None:
+    """``x`` as one integer index (an int, a numpy integer, a one-element integer tensor or array), else None."""
+    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
+        return None
+    if not isinstance(x, torch.Tensor) and hasattr(x, "__array__") and getattr(x, "size", 0) == 1:
+        x = torch.as_tensor(x).reshape(())  # a one-element numpy array
+        if x.dtype == torch.bool:
+            return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
+_INDEX_RULE = "integers (int, numpy integers, integer tensors or arrays); floats and bools are refused, not truncated"
+
+
+def as_index(frame_idx: Any, where: str, names: Sequence[str] | None = None) -> torch.Tensor:
+    """The frame indices as int64 ``[B]`` on the CPU, refusing anything that is not integral."""
+    if not isinstance(frame_idx, torch.Tensor) and hasattr(frame_idx, "__array__") and hasattr(frame_idx, "dtype"):
+        frame_idx = torch.as_tensor(frame_idx)  # a numpy array
+    if isinstance(frame_idx, torch.Tensor):
+        dt = frame_idx.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+            raise UnsupportedValueError(f"{where}: expected {_INDEX_RULE}, got a tensor of dtype {dt}")
+        if frame_idx.dim() > 1:
+            raise ValueError(f"{where}: expected one index per frame (1-d), got shape {list(frame_idx.shape)}")
+        return frame_idx.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+    if isinstance(frame_idx, str | bytes) or not isinstance(frame_idx, Sequence | Iterable):
+        raise UnsupportedValueError(f"{where}: expected a sequence of {_INDEX_RULE}, got {type(frame_idx).__name__}")
+    values = []
+    for k, i in enumerate(frame_idx):
+        value = index_value(i)
+        owner = f" (filename {names[k]!r})" if names is not None else f" (position {k})"
+        if value is None:
+            raise UnsupportedValueError(f"{where}{owner}: expected {_INDEX_RULE}, got {type(i).__name__} {i!r:.40}")
+        if not -(2**63) <= value < 2**63:
+            raise UnsupportedValueError(f"{where}{owner}: expected an index that fits in int64, got {value}")
+        values.append(value)
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _is_plain_index(x: Any) -> bool:
+    """Whether ``x`` is frame indexes that may be copied as they are: int64 ``[B]``, contiguous, CPU."""
+    return (
+        type(x) is torch.Tensor
+        and x.is_cpu
+        and x.dtype is torch.int64
+        and x.dim() == 1
+        and x.is_contiguous()
+        and not x.is_neg()
+    )
+
+
+def _unflagged(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes are its values: no conjugate or negative bit."""
+    return not (t.is_conj() or t.is_neg())
+
+
+def _check_filenames(names: list) -> None:
+    """Every filename is a str that UTF-8 can encode: one join and encode, or the first that is not."""
+    try:
+        "".join(names).encode("utf-8")
+    except (TypeError, UnicodeEncodeError):
+        for name in names:
+            _check_filename(name)
+        raise
+
+
+def _mismatch(name: str, first: Layout, second: Layout, saved: bool = False) -> ShapeMismatchError:
+    rank = _this_rank()
+    if saved:
+        return ShapeMismatchError(
+            f"filename {name!r} on rank {rank}: the run being resumed saved its frames with {first.describe()}, "
+            f"these have {second.describe()}; a resumed run must give each filename the layout it was saved "
+            "with (the same model and outputs), or start over with resume=False, overwrite=True"
+            f"{ragged_hint(first, second)}"
+        )
+    return ShapeMismatchError(
+        f"filename {name!r}: frames on rank {rank} have {first.describe()} and {second.describe()} "
+        f"(ranks [{rank}]); every frame of a filename must have the same structure, shape and dtype"
+        f"{ragged_hint(first, second)}"
+    )
+
+
+def _ragged_spec(ragged: bool | str | Iterable[str]) -> RaggedSpec:
+    """``add(ragged=...)`` as `flatten` takes it: True, or the dotted keys."""
+    if ragged is True:
+        return True
+    names = (ragged,) if isinstance(ragged, str) else tuple(ragged) if isinstance(ragged, Iterable) else (ragged,)
+    if not all(isinstance(x, str) for x in names):
+        raise TypeError(f"add(): expected ragged=True or dotted keys (str), got {ragged!r:.80}")
+    return frozenset(names)
+
+
+def _check_filename(name: Any) -> None:
+    """A filename must be a str that UTF-8 can encode (it travels in JSON headers and the index)."""
+    if not isinstance(name, str):
+        raise UnsupportedValueError(
+            f"expected str filenames, got {type(name).__name__} {name!r:.80}; pass the names as a list of str "
+            "(a DataLoader's default collate gives one)"
+        )
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UnsupportedValueError(
+            f"filename {name!r:.200} cannot be encoded as UTF-8 ({e.reason} at position {e.start}); it looks like "
+            "os.fsdecode() of a non-UTF-8 name: pass a UTF-8 name, for example name.encode('utf-8', "
+            "'surrogateescape').decode('utf-8', 'backslashreplace')"
+        ) from None
+
+
+def _join(tensors: list, how: str) -> Any:
+    """Frames as one batch, as `_Bucket` ``how`` says."""
+    if tensors and isinstance(tensors[0], Ragged):
+        try:
+            return Ragged.cat(tensors)  # on CUDA: the values joined there, then one copy to the host
+        except RuntimeError:  # frames on several devices: their rows to the host first
+            return Ragged.cat([Ragged.from_lengths(v.cpu(), n) for v, n in (r.span() for r in tensors)])
+    join = {"stack": torch.stack, "cat": torch.cat, "ragged": Ragged.from_list}[how]
+    try:
+        return join(tensors)  # on CUDA: one stack there, then one copy to the host
+    except RuntimeError:  # frames on several devices
+        return join([t.cpu() for t in tensors])

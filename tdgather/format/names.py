@@ -1,0 +1,155 @@
+"""The names of a group's tensors in a shard, by index version.
+
+Version 2 names each leaf by its path, so that
+``safe_open(shard).keys()`` says what is inside: a group ``g0`` of frames
+``{"depth": ..., "det": {"boxes": ...}, "label": "cat"}`` holds
+
+- ``g0:frame_idx``: int64 ``[N]``;
+- ``g0.depth``, ``g0.det.boxes``, ``g0.label``: a tensor leaf, or a JSON leaf's UTF-8 lines;
+  a plain tensor frame (no keys) is ``g0`` itself;
+- ``<name>:offsets``: int64 ``[N+1]`` beside a ragged leaf's values and a JSON leaf's lines.
+
+Each key of the path is escaped, so that names never collide: ``%``, ``.``, ``:`` and every
+character that is not printable ASCII are written as ``%XX`` (their UTF-8 bytes), and an empty
+key as ``%``. So ``.`` only ever separates keys and ``:`` only ever starts a suffix.
+
+Version 1 named leaves by position: ``g0.frame_idx``, ``g0.leaf<j>``, ``g0.json<j>``, and
+``<name>.offsets``. The reader still reads it.
+
+The shard file names and the format's versions are here too: every writer and reader takes them
+from this module.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..core.frames import Layout
+
+__all__ = [
+    "FORMAT",
+    "GROUP_NAME",
+    "INCOMPLETE_NAME",
+    "INDEX_NAME",
+    "INDEX_VERSION",
+    "SHARD_NAME",
+    "SHARD_PATTERN",
+    "SHARD_VERSION",
+    "SHARD_VERSIONS",
+    "VERSIONS",
+    "WRITERS_VERSION",
+    "GroupNames",
+    "escape_key",
+    "group_names",
+    "index_version",
+    "next_number",
+    "shard_name",
+    "shard_numbers",
+    "shard_order",
+]
+
+_SAFE = frozenset(chr(c) for c in range(0x20, 0x7F)) - {"%", ".", ":"}
+
+
+def escape_key(key: str) -> str:
+    """One key of a leaf's path, as it appears in a tensor name.
+
+    >>> escape_key("det"), escape_key("a.b"), escape_key("50%"), escape_key(""), escape_key("é")
+    ('det', 'a%2Eb', '50%25', '%', '%C3%A9')
+    """
+    if not key:
+        return "%"
+    return "".join(c if c in _SAFE else "".join(f"%{b:02X}" for b in c.encode()) for c in key)
+
+
+@dataclass(frozen=True)
+class GroupNames:
+    """A group's tensor names: its frame indexes, each tensor leaf, each JSON leaf, and offsets."""
+
+    frame_idx: str
+    leaves: tuple[str, ...]
+    json: tuple[str, ...]
+    offsets_suffix: str
+
+    def offsets(self, name: str) -> str:
+        """The offsets beside a ragged leaf's values or a JSON leaf's lines."""
+        return name + self.offsets_suffix
+
+
+def group_names(group: str, layout: Layout, version: int) -> GroupNames:
+    """The tensor names of group ``group`` (``g<k>``) of ``layout`` in a shard of index ``version``.
+
+    >>> from tdgather.core.frames import Leaf
+    >>> import torch
+    >>> layout = Layout("tree", None, (Leaf(("det", "boxes"), torch.float32, (4,), True),), (("label",),))
+    >>> n = group_names("g0", layout, 2)
+    >>> n.frame_idx, n.leaves, n.json, n.offsets(n.leaves[0])
+    ('g0:frame_idx', ('g0.det.boxes',), ('g0.label',), 'g0.det.boxes:offsets')
+    >>> group_names("g0", layout, 1).leaves, group_names("g0", layout, 1).offsets("g0.leaf0")
+    (('g0.leaf0',), 'g0.leaf0.offsets')
+    """
+    if version == 1:
+        return GroupNames(
+            f"{group}.frame_idx",
+            tuple(f"{group}.leaf{j}" for j in range(len(layout.leaves))),
+            tuple(f"{group}.json{j}" for j in range(len(layout.nontensor))),
+            ".offsets",
+        )
+
+    def name(path: tuple[str, ...]) -> str:
+        return ".".join([group, *map(escape_key, path)])
+
+    return GroupNames(
+        f"{group}:frame_idx",
+        tuple(name(leaf.path) for leaf in layout.leaves),
+        tuple(name(path) for path in layout.nontensor),
+        ":offsets",
+    )
+
+# ---- files and versions ---------------------------------------------------------------------------
+
+FORMAT = "tdgather"  # the index's and every shard's "format"
+INDEX_VERSION = 3  # the index version a single writer writes (3: shards record their segments, run and attempt)
+WRITERS_VERSION = 4  # ... several writers: shard names carry the writer
+VERSIONS = (1, 2, INDEX_VERSION, WRITERS_VERSION)  # the index versions this tdgather reads
+SHARD_VERSION = "2"  # a shard's __metadata__.version: how its tensors are named (below)
+SHARD_VERSIONS = ("1", SHARD_VERSION)  # the shard versions this tdgather reads
+INDEX_NAME = "tdgather.index.json"  # written last: its presence means "complete"
+INCOMPLETE_NAME = "tdgather.incomplete.json"  # what a failed run saved, in <name>.partial
+SHARD_PATTERN = r"shard-[0-9]{5,}(-[0-9]{5,})?\.safetensors"  # shard-NNNNN, or shard-WWWWW-NNNNN (writer W)
+SHARD_NAME = re.compile(SHARD_PATTERN)
+GROUP_NAME = re.compile(r"g[0-9]+")
+
+
+_NAME = re.compile(r"shard-([0-9]{5,})(?:-([0-9]{5,}))?\.safetensors")  # SHARD_PATTERN, with its numbers
+
+
+def shard_name(writer: int | None, number: int) -> str:
+    """Writer ``writer``'s shard ``number`` (``None``: the single writer's ``shard-NNNNN``)."""
+    return f"shard-{number:05d}.safetensors" if writer is None else f"shard-{writer:05d}-{number:05d}.safetensors"
+
+
+def shard_numbers(name: str) -> tuple[int | None, int]:
+    """A shard name's ``(writer, number)``; the single writer's shards have writer None."""
+    m = _NAME.fullmatch(name)
+    if m is None:
+        raise ValueError(f"not a shard name: {name!r}")
+    return (None, int(m[1])) if m[2] is None else (int(m[1]), int(m[2]))
+
+
+def next_number(names: Iterable[str], writer: int | None) -> int:
+    """The number writer ``writer``'s next shard takes: past its every shard (a failed one may leave a gap)."""
+    return 1 + max((n for w, n in map(shard_numbers, names) if w == writer), default=-1)
+
+
+def index_version(shards: Iterable[str]) -> int:
+    """The index version of a dataset of these shards: 4 when a name carries its writer, else 3."""
+    return WRITERS_VERSION if any(shard_numbers(name)[0] is not None for name in shards) else INDEX_VERSION
+
+
+def shard_order(name: str, attempt: int) -> tuple[int, int, int]:
+    """Precedence of a shard's copies: (attempt, writer, number); the single writer's shards are writer 0."""
+    writer, number = shard_numbers(name)
+    return attempt, writer or 0, number

@@ -1,0 +1,210 @@
+"""What a `tdgather.storage.writer.DatasetWriter` keeps per filename until it writes the index: columnar.
+
+Rank dst may write millions of filenames. A dict, a list and a segment dict per filename cost
+about a kilobyte each; here a filename costs its name in one dict (name -> id) and a few array
+slots, and each segment (a filename's rows in one shard) a few more:
+
+- per filename: its layout (a number), its frame_idx written as one run ``lo..hi`` (or, when
+  they form several runs, an int64 ``[k, 2]`` tensor in a side table), its first segment (its
+  later ones, when it has several, in a side table);
+- per segment: shard, group, first row, frames, the rank that sent its frames (or `MIXED`: a
+  per-row int32 tensor in a side table; `UNKNOWN`: an earlier attempt's).
+
+The index's ``files`` object is written from these arrays a few filenames at a time (`json_chunks`).
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from ..core.frames import Layout
+from ..core.runs import add_runs
+from ..format.records import Segment
+
+__all__ = ["MIXED", "UNKNOWN", "Catalog"]
+
+UNKNOWN = -1  # a segment whose sender is not known here (an earlier attempt, another writer)
+MIXED = -2  # a segment whose rows came from several ranks: see `Catalog.rank_rows`
+_NONE = -1  # no segment
+_CHUNK_FILES = 4096  # filenames per piece of the index's JSON
+
+
+class Catalog:
+    """Filenames written, their frames (as runs), segments and senders; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}
+        self._layouts: list[Layout] = []
+        self._layout_ids: dict[Layout, int] = {}
+        self._layout = array("i")
+        self._lo, self._hi = array("q"), array("q")  # the one run of frame_idx written, when one
+        self._runs: dict[int, torch.Tensor] = {}  # filenames with several runs
+        self._first = array("q")  # each filename's first segment
+        self._more: dict[int, list[int]] = {}  # filenames with several segments: the later ones
+        self._shards: list[str] = []
+        self._shard_ids: dict[str, int] = {}
+        self._groups: list[str] = []
+        self._group_ids: dict[str, int] = {}
+        self._seg_start, self._seg_frames = array("q"), array("q")
+        self._seg_shard, self._seg_group, self._seg_rank = array("i"), array("i"), array("i")
+        self._rank_rows: dict[int, torch.Tensor] = {}  # MIXED segments: int32 rank per row
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.ids
+
+    def layout(self, name: str) -> Layout | None:
+        """The layout ``name`` was written with, or None."""
+        i = self.ids.get(name)
+        return None if i is None else self._layouts[self._layout[i]]
+
+    def written(self, name: str) -> torch.Tensor:
+        """The frame_idx of ``name`` written, as runs (int64 ``[k, 2]``, `tdgather.core.runs`)."""
+        i = self.ids[name]
+        runs = self._runs.get(i)
+        return runs if runs is not None else torch.tensor([[self._lo[i], self._hi[i]]], dtype=torch.int64)
+
+    def segments(self, name: str) -> list[dict]:
+        """The segments of ``name``, in the order written: shard, group, start, frames, and their ``k``."""
+        return [{**self._segment(s), "k": s} for s in self._segments_of(self.ids[name])]
+
+    def _segments_of(self, i: int) -> list[int]:
+        """Filename ``i``'s segments still listed, in the order written."""
+        return [s for s in [self._first[i], *self._more.get(i, ())] if self._seg_shard[s] >= 0]
+
+    def _segment(self, s: int) -> dict:
+        shard, group = self._shards[self._seg_shard[s]], self._groups[self._seg_group[s]]
+        return Segment(shard, group, self._seg_start[s], self._seg_frames[s]).to_json()
+
+    def rank_rows(self, k: int) -> torch.Tensor:
+        """Segment ``k``'s sender per row (int32), `UNKNOWN` where not known."""
+        rank = self._seg_rank[k]
+        if rank == MIXED:
+            return self._rank_rows[k]
+        return torch.full((self._seg_frames[k],), rank, dtype=torch.int32)
+
+    def ranks(self, name: str) -> list[int]:
+        """Every known rank that sent frames of ``name`` already written, sorted."""
+        found: set[int] = set()
+        for seg in self.segments(name):
+            found.update(r for r in self.rank_rows(seg["k"]).unique().tolist() if r >= 0)
+        return sorted(found)
+
+    def add(self, name: str, layout: Layout, segment: Mapping, idx: torch.Tensor, runs: tuple | None, rank) -> None:
+        """Record ``segment`` (shard, group, start, frames) of ``name``: frames ``idx`` from ``rank``.
+
+        ``runs`` is ``(lo, hi)`` when ``idx`` is the run ``lo..hi``, else None. ``rank`` is an int (every
+        row's sender, `UNKNOWN` if not known) or an int32 tensor, one rank per row.
+        """
+        i = self.ids.get(name)
+        if i is None:
+            i = self.ids[name] = len(self.ids)
+            self._layout.append(self._intern_layout(layout))
+            self._first.append(_NONE)
+            lo, hi = runs if runs is not None else (0, -1)
+            self._lo.append(lo), self._hi.append(hi)
+            if runs is None:
+                self._set_runs(i, add_runs(None, idx))
+        else:
+            self._set_runs(i, add_runs(self.written(name), idx))
+        self._append_segment(i, segment, rank)
+
+    def _set_runs(self, i: int, runs: torch.Tensor) -> None:
+        if runs.shape[0] == 1:
+            self._lo[i], self._hi[i] = int(runs[0, 0]), int(runs[0, 1])
+            self._runs.pop(i, None)
+        else:
+            self._runs[i] = runs
+
+    def _append_segment(self, i: int, segment: Mapping, rank) -> None:
+        s = len(self._seg_start)
+        self._seg_shard.append(_intern(segment["shard"], self._shards, self._shard_ids))
+        self._seg_group.append(_intern(segment["group"], self._groups, self._group_ids))
+        self._seg_start.append(segment["start"])
+        self._seg_frames.append(segment["frames"])
+        if isinstance(rank, torch.Tensor):
+            uniform = rank.numel() and bool((rank == rank[0]).all())
+            self._seg_rank.append(int(rank[0]) if uniform else MIXED)
+            if not uniform:
+                self._rank_rows[s] = rank.to(torch.int32).clone()
+        else:
+            self._seg_rank.append(int(rank))
+        if self._first[i] == _NONE:
+            self._first[i] = s
+        else:
+            self._more.setdefault(i, []).append(s)
+
+    def _intern_layout(self, layout: Layout) -> int:
+        return _intern(layout, self._layouts, self._layout_ids)
+
+    def load(
+        self, files: Mapping[str, dict], layouts: Mapping[str, Layout], written: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Take what earlier attempts saved (`tdgather.storage.recovery.SavedState`'s files, layouts and runs)."""
+        for name, entry in files.items():
+            runs = written.get(name)
+            for seg in entry["segments"]:
+                i = self.ids.get(name)
+                if i is None:
+                    i = self.ids[name] = len(self.ids)
+                    self._layout.append(self._intern_layout(layouts[name]))
+                    self._first.append(_NONE)
+                    self._lo.append(0), self._hi.append(-1)
+                    if runs is not None:
+                        self._set_runs(i, runs)
+                self._append_segment(i, seg, UNKNOWN)
+
+    def drop_shards(self, shards: set[str]) -> None:
+        """Forget the segments in ``shards`` (they never became durable); a filename left without any is not listed."""
+        dead = {self._shard_ids[s] for s in shards if s in self._shard_ids}
+        for s, shard in enumerate(self._seg_shard):
+            if shard in dead:
+                self._seg_shard[s] = -1
+
+    def num_files(self) -> int:
+        """Filenames with at least one segment."""
+        return sum(1 for name in self.ids if self._frames(self.ids[name])[0])
+
+    def _frames(self, i: int) -> tuple[int, list[int]]:
+        segs = self._segments_of(i)
+        return sum(self._seg_frames[s] for s in segs), segs
+
+    def files(self) -> dict[str, dict]:
+        """``{filename: {"frames", "segments"}}`` as the index lists them, built now (for inspection)."""
+        out = {}
+        for name in sorted(self.ids):
+            total, segs = self._frames(self.ids[name])
+            if segs:
+                out[name] = {"frames": total, "segments": [self._segment(s) for s in segs]}
+        return out
+
+    def json_chunks(self) -> Iterator[str]:
+        """The index's ``files`` object, filenames sorted, as `json.dumps` writes it, a piece at a time."""
+        yield "{"
+        first, piece = True, []
+        for name in sorted(self.ids):
+            total, segs = self._frames(self.ids[name])
+            if not segs:
+                continue
+            body = ", ".join(json.dumps(self._segment(s), ensure_ascii=False) for s in segs)
+            key = json.dumps(name, ensure_ascii=False)
+            piece.append(f'{"" if first else ", "}{key}: {{"frames": {total}, "segments": [{body}]}}')
+            first = False
+            if len(piece) >= _CHUNK_FILES:
+                yield "".join(piece)
+                piece = []
+        yield "".join(piece) + "}"
+
+
+def _intern(value, values: list, ids: dict) -> int:
+    k = ids.get(value)
+    if k is None:
+        k = ids[value] = len(values)
+        values.append(value)
+    return k

@@ -1,0 +1,236 @@
+"""Stage 6, the reader: a lazy ``Mapping[str, Frames]`` over a saved dataset.
+
+Reading one filename opens its shard(s) with ``safetensors.safe_open`` and
+slices only that filename's rows; segments written at different times are
+merged by ``frame_idx``. Nothing on disk is trusted (`tdgather.format.check`):
+the index is checked whole at open, a shard's header each time the shard is
+opened, JSON offsets and lines as they are read; anything malformed raises
+`DatasetError`, and no path outside the dataset directory is ever opened.
+
+A `Dataset` keeps the shards it opened open (up to `OPEN_SHARDS`, least recently
+used closed first), so a read costs the same however many filenames the dataset
+holds, and a handle keeps reading the files it opened after the dataset is
+rewritten (``overwrite=True`` replaces files, never edits them). A shard opened
+after a rewrite is another run's: its ``__metadata__.run`` differs from the
+index's, and it is refused (`check_run`), never read under the old names.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.frames import Frames, Layout, rebuild
+from ..errors import DatasetError, OutputError
+from ..format.check import (
+    Check,
+    check_index,
+    check_run,
+    check_shard,
+    index_run,
+    key,
+    load_json,
+    shard_version,
+)
+from ..format.names import INCOMPLETE_NAME, INDEX_NAME
+from .segments import OpenShard, cat_columns, offsets_of_rows, open_shard, read_rows
+
+__all__ = ["OPEN_SHARDS", "Dataset", "open_dataset"]
+
+OPEN_SHARDS = 128  # shards a Dataset keeps open (mapped; no file descriptor stays open): least recently used go
+
+
+class Dataset(Mapping[str, Frames]):
+    """A saved dataset; ``ds[filename]`` reads that filename's frames from disk.
+
+    Shards are opened on first use and kept open (`OPEN_SHARDS` at most); a handle opened before
+    the dataset was rewritten (``overwrite=True``) keeps reading the shards it had open, and
+    refuses, with a `DatasetError` naming the file, a shard it opens afterwards (another run's).
+    Pickled (a spawned DataLoader worker), it leaves its open shards behind.
+
+    Attributes:
+        path: the dataset directory.
+        index: the parsed ``tdgather.index.json``.
+        metadata: totals and user metadata; for an incomplete dataset, ``metadata["failure"]``.
+    """
+
+    def __init__(self, path: str | os.PathLike, incomplete: bool = False) -> None:
+        self.path = Path(path)
+        partial = self.path.with_name(self.path.name + ".partial")
+        built = None
+        if incomplete:
+            if not self.path.name.endswith(".partial"):
+                self.path = partial
+            index_path = self.path / INCOMPLETE_NAME
+            from .recovery import partial_index  # the shards' own records: also after a killed rank dst
+
+            built = partial_index(self.path) if self.path.is_dir() else None
+            if built is None and not index_path.is_file():
+                raise OutputError(
+                    f"{str(self.path)!r} holds no shards and no {INCOMPLETE_NAME}: no failed run saved anything there"
+                )
+        else:
+            index_path = self.path / INDEX_NAME
+        if built is None and not index_path.is_file():
+            hint = ""
+            if (partial / INCOMPLETE_NAME).exists():
+                hint = (
+                    f"; a failed run saved frames in {str(partial)!r}: tdgather.open(path, incomplete=True) "
+                    "reads them (tdgather inspect --incomplete PATH lists them)"
+                )
+            elif (partial / INDEX_NAME).exists():
+                hint = f"; {str(partial)!r} holds a complete dataset whose move into place was interrupted"
+            elif partial.exists():
+                hint = (
+                    f"; {str(partial)!r} holds shards of an interrupted run: tdgather.open(path, incomplete=True) "
+                    "reads them, Collector(path, resume=True) continues it"
+                )
+            raise OutputError(f"{str(self.path)!r} is not a complete tdgather dataset: no {INDEX_NAME}{hint}")
+        self._index = Check(index_path)
+        if built is not None:
+            self.index: dict[str, Any] = built
+        else:
+            if os.path.dirname(os.path.realpath(index_path)) != os.path.realpath(self.path):
+                raise DatasetError(str(index_path), "file", "expected a file in the dataset directory, got a link out")
+            self.index = load_json(index_path.read_bytes(), self._index, "index")
+        self._plan = check_index(self.index, str(index_path), incomplete)  # all of it, before any shard
+        self.metadata: dict[str, Any] = self.index["metadata"]
+        self._files: dict[str, dict] = self.index["files"]
+        self._run = index_run(self.index, self._index)  # every shard opened must be of this run
+        self._open: OrderedDict[str, OpenShard] = OrderedDict()  # by shard name, least recently used first
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        """Pickled (a spawned DataLoader worker) without open shards: the copy opens and checks its own."""
+        state = self.__dict__.copy()
+        del state["_open"], state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._files
+
+    def layout(self, name: str) -> Layout:
+        """The layout (structure, dtypes, per-frame shapes) of a filename, without reading data."""
+        return self._plan.layouts[name]
+
+    def num_frames(self, name: str) -> int:
+        """Frames stored for a filename, without reading data."""
+        return self._files[name]["frames"]
+
+    def lengths(self, name: str) -> dict[str, torch.Tensor]:
+        """Per ragged leaf (dotted key), each frame's rows, in frame order; reads only the offsets."""
+        layout, out = self.layout(name), {}
+        ragged = [j for j, leaf in enumerate(layout.leaves) if leaf.ragged]
+        if not ragged:
+            return out
+        idx, per_leaf = [], {j: [] for j in ragged}
+        for shard, group, lo, hi in self._segments(name):
+            names = shard.names(group, layout)
+            idx.append(shard.f.get_slice(names.frame_idx)[lo:hi])
+            for j in ragged:
+                per_leaf[j].append(offsets_of_rows(shard.f, shard.c, names, names.leaves[j], lo, hi)[0].diff())
+        order = torch.argsort(torch.cat(idx))
+        for j in ragged:
+            out[".".join(layout.leaves[j].path) or "<tensor>"] = torch.cat(per_leaf[j])[order]
+        return out
+
+    def per_frame(self) -> Any:
+        """The frames as a map-style ``torch.utils.data.Dataset``, one item a frame (`tdgather.storage.views`)."""
+        from .views import FrameDataset
+
+        return FrameDataset(self)
+
+    def to_hf(self, **kwargs: Any) -> Any:
+        """The frames as a Hugging Face ``datasets.Dataset``, one row a frame (`tdgather.storage.views`; extra hf)."""
+        from .views import to_hf
+
+        return to_hf(self, **kwargs)
+
+    def verify(self) -> None:
+        """Check every shard's header against the index now (`__getitem__` does it lazily, per shard)."""
+        for shard in self.index["shards"]:
+            self.shard(shard, f"shards[{shard!r}]")
+
+    def shard(self, shard: str, field: str = "shards") -> OpenShard:
+        """A shard of the index, open and checked (``field``: the index field that names it, for errors).
+
+        Opened once and kept (`OPEN_SHARDS` at most). Each open checks the header against the index
+        (`check_shard`) and that the file is of the run the index lists (`check_run`): a file
+        replaced since the dataset was opened (by ``save(..., overwrite=True)``) raises `DatasetError`;
+        a shard opened before keeps giving what it held then.
+        """
+        with self._lock:
+            got = self._open.get(shard)
+            if got is not None:
+                self._open.move_to_end(shard)
+                return got
+        f = open_shard(self.path, shard, self._index, field)
+        c = Check(self.path / shard)
+        check_run(f, c, self._run)
+        check_shard(f, c, shard, self.index["shards"][shard]["groups"], self._plan, self._index)
+        opened = OpenShard(f, c, shard_version(f, c))
+        with self._lock:
+            self._open[shard] = opened
+            while len(self._open) > OPEN_SHARDS:
+                self._open.popitem(last=False)
+        return opened
+
+    def _segments(self, name: str, only: int | None = None) -> Iterator[tuple[OpenShard, str, int, int]]:
+        """Each segment of ``name`` (or only segment ``only``): its open shard, group, and rows ``lo, hi``."""
+        segments = self._files[name]["segments"]
+        for i in range(len(segments)) if only is None else range(only, min(only + 1, len(segments))):
+            segment = segments[i]
+            shard = self.shard(segment["shard"], f"files{key(name)}.segments[{i}].shard")
+            yield shard, segment["group"], segment["start"], segment["start"] + segment["frames"]
+
+    def __getitem__(self, name: str) -> Frames:
+        entry = self._files[name]
+        layout = self.layout(name)
+        segments = self._segments(name)
+        pieces = [read_rows(s.f, s.c, s.names(group, layout), layout, lo, hi) for s, group, lo, hi in segments]
+        idx, tensors, json_values = pieces[0]
+        if len(pieces) > 1:  # segments written at different times: merge them by frame_idx
+            order = torch.argsort(torch.cat([p[0] for p in pieces]))
+            idx = torch.cat([p[0] for p in pieces])[order]
+            tensors = [cat_columns([p[1][j] for p in pieces]).index_select(0, order) for j in range(len(layout.leaves))]
+            rows = order.tolist()
+            json_values = [[v for p in pieces for v in p[2][j]] for j in range(len(layout.nontensor))]
+            json_values = [[values[r] for r in rows] for values in json_values]
+        count = idx.numel()
+        if count > 1 and not bool((idx[1:] > idx[:-1]).all()):  # each frame once, in order: as tdgather writes
+            at = int((idx[1:] <= idx[:-1]).nonzero()[0]) + 1
+            shards = ", ".join(sorted({segment["shard"] for segment in entry["segments"]}))
+            expected = f"strictly increasing indices, each frame once (rows {at - 1} and {at})"
+            raise Check(self.path / shards).fail(f"files{key(name)} frame_idx", expected, idx[at - 1 : at + 1].tolist())
+        try:
+            value = rebuild(layout, count, tensors, json_values)
+        except (KeyError, ValueError, TypeError) as e:  # e.g. a loaded tensorclass whose fields differ
+            raise self._index.fail(f"files{key(name)}", f"leaves that make {layout.describe()}", str(e)) from e
+        return Frames(frame_idx=idx, frames=value, batch_size=[count])
+
+
+def open_dataset(path: str | os.PathLike, *, incomplete: bool = False) -> Dataset:
+    """Open a saved dataset lazily; raises OutputError when it is incomplete, DatasetError when it is malformed.
+
+    The index is checked whole here; each shard's header the first time one of its filenames
+    is read. With ``incomplete=True``, open instead what a failed run saved in ``<path>.partial``
+    (the frames committed before the failure, listed in ``tdgather.incomplete.json``).
+    """
+    return Dataset(path, incomplete)

@@ -1,0 +1,478 @@
+"""Other views of a saved dataset: one item per frame, for a DataLoader or Hugging Face ``datasets``.
+
+`FrameDataset` is a map-style ``torch.utils.data.Dataset`` over every frame of every filename
+(filenames sorted, frames by ``frame_idx``). It reads each group's ``frame_idx`` column once, at
+construction (vectorised: no per-filename work beyond listing its segments), and then each item
+reads only its own frame's rows, through the `tdgather.Dataset`'s open shards. Those are checked
+like any read: a shard rewritten by another run is refused, never read under the old names.
+DataLoader workers can share it: forked, they keep the shards already open; pickled (spawn),
+they open and check their own.
+
+`to_hf` builds a ``datasets.Dataset`` with one row per frame: ``filename``, ``frame_idx`` and
+one typed column per leaf. Everything read from disk goes through `tdgather.storage.reader`'s checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils.data
+
+from ..core.dtypes import dtype_name
+from ..core.frames import Layout, flatten, rebuild_one
+from ..core.ragged import Ragged
+from ..errors import DatasetError, TdgatherError
+from ..format.check import key
+from ..format.names import escape_key
+from .segments import read_rows
+
+if TYPE_CHECKING:  # the reader makes these views of itself (Dataset.per_frame, Dataset.to_hf)
+    from .reader import Dataset
+
+__all__ = ["ExportError", "FrameDataset", "collate_frames", "column_label", "frame_ranges", "hf_features", "to_hf"]
+
+TENSOR_COLUMN = "frames"  # the column of a filename whose frames are plain tensors (no keys)
+_RESERVED = ("filename", "frame_idx")
+# dtypes Arrow has no type for: stored as float32, which holds every one of their values exactly
+_WIDENED = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz}
+_MAX_ARRAY_DIMS = 5  # datasets has Array2D .. Array5D
+
+
+class ExportError(TdgatherError, ValueError):
+    """A dataset cannot be shown as one table: two filenames disagree on a column, or a name collides."""
+
+
+def _frame_idx_only(layout: Layout) -> Layout:
+    """A layout with no leaves: `read_rows` then reads a segment's frame indexes and nothing else."""
+    return Layout(layout.kind, layout.cls, ())
+
+
+def _json_only(layout: Layout) -> Layout:
+    """A layout with only the JSON leaves: `read_rows` then reads frame indexes and JSON lines."""
+    return Layout(layout.kind, layout.cls, (), layout.nontensor)
+
+
+class FrameDataset(torch.utils.data.Dataset):
+    """Every frame of a saved dataset as one item: ``{"filename", "frame_idx", "frames"}``.
+
+    Items are plain dicts, so the default collate (with ``batch_size=None``) and
+    `collate_frames` both take them; ``frames`` is what ``tdgather.open(path)[filename][k].frames``
+    gives: a tensor, or a TensorDict / tensorclass with batch size ``[]``, where a ragged leaf is
+    that frame's ``[N_k, ...]`` rows. Order: filenames sorted, then frames by ``frame_idx``.
+
+    Construction reads each group's ``frame_idx`` (nothing else); an item reads only its
+    frame's rows (through the dataset's open shards, never their other rows). It can be forked
+    or pickled into DataLoader workers (a pickled copy opens its shards again, and checks them).
+
+    Attributes:
+        dataset: the `tdgather.Dataset`.
+        filenames: the filenames, sorted.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.filenames: list[str] = sorted(dataset)
+        file_of, self._segment, self._row, self._frame_idx = _frame_map(dataset, self.filenames)
+        counts = torch.bincount(file_of, minlength=len(self.filenames))
+        self._starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def _position(self, i: Any) -> int:
+        """``i`` as a position in ``[0, len)``; IndexError outside ``[-len, len)``, TypeError for a non-integer."""
+        if isinstance(i, bool) or not isinstance(i, int | torch.Tensor) and not hasattr(i, "__index__"):
+            raise TypeError(f"FrameDataset items are taken by an integer position, got {type(i).__name__} {i!r:.40}")
+        i, n = operator.index(i), len(self)
+        if not -n <= i < n:
+            raise IndexError(f"item {i} out of range for {n} frames")
+        return i % n
+
+    def locate(self, i: int) -> tuple[str, int]:
+        """Item ``i``'s ``(filename, frame_idx)``, without reading data."""
+        i = self._position(i)
+        f = int(torch.searchsorted(self._starts, i, right=True)) - 1
+        return self.filenames[f], int(self._frame_idx[i])
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        name, expected = self.locate(i)
+        i = self._position(i)
+        segment, row = int(self._segment[i]), int(self._row[i])
+        layout = self.dataset.layout(name)
+        for shard, group, lo, hi in self.dataset._segments(name, only=segment):
+            c = shard.c
+            if not lo <= row < hi:
+                raise c.fail(f"{group} rows", f"row {row} inside {lo}..{hi}", "a segment changed since it was read")
+            idx, tensors, json_values = read_rows(shard.f, c, shard.names(group, layout), layout, row, row + 1)
+            if idx.tolist() != [expected]:
+                raise c.fail(f"{group} frame_idx row {row}", f"[{expected}] (as read at construction)", idx.tolist())
+            break
+        else:
+            raise DatasetError(str(self.dataset.path), f"files[{name!r}]", f"expected segment {segment}, got none")
+        value = rebuild_one(layout, tensors, json_values)
+        return {"filename": name, "frame_idx": expected, "frames": value}
+
+
+def _frame_map(dataset: Dataset, filenames: list[str]) -> tuple[torch.Tensor, ...]:
+    """Every frame of ``filenames``, by filename then ``frame_idx``: its filename's position, segment, row, frame_idx.
+
+    Each group's ``frame_idx`` column is read once; the rest is vectorised over all frames.
+
+    Raises:
+        DatasetError: a segment out of order, or a frame stored twice.
+    """
+    column_of: dict[tuple[str, str], int] = {}  # (shard, group) -> its column's number
+    ends: list[int] = []  # per column, the rows its segments reach
+    seg_file, seg_number, seg_column, seg_start, seg_frames = [], [], [], [], []
+    for position, name in enumerate(filenames):
+        for k, segment in enumerate(dataset.index["files"][name]["segments"]):
+            where = segment["shard"], segment["group"]
+            column = column_of.setdefault(where, len(column_of))
+            if column == len(ends):
+                ends.append(0)
+            ends[column] = max(ends[column], segment["start"] + segment["frames"])
+            seg_file.append(position)
+            seg_number.append(k)
+            seg_column.append(column)
+            seg_start.append(segment["start"])
+            seg_frames.append(segment["frames"])
+    if not seg_file:
+        return tuple(torch.zeros(0, dtype=dt) for dt in (torch.int64, torch.int32, torch.int64, torch.int64))
+    columns, shards = [], []
+    for (shard_name, group), end in zip(column_of, ends, strict=True):
+        shard = dataset.shard(shard_name, f"shards[{shard_name!r}]")
+        names = shard.names(group, _frame_idx_only(dataset._plan.groups[shard_name, group]))
+        columns.append(shard.f.get_slice(names.frame_idx)[:end])  # the header check made sure it has them
+        shards.append(shard)
+    counts = torch.tensor(seg_frames, dtype=torch.int64)
+    seg_of = torch.repeat_interleave(torch.arange(len(seg_frames)), counts)  # each frame's segment
+    first = counts.cumsum(0) - counts
+    row = torch.tensor(seg_start, dtype=torch.int64)[seg_of] + torch.arange(seg_of.numel()) - first[seg_of]
+    base = torch.tensor([0] + [c.numel() for c in columns[:-1]], dtype=torch.int64).cumsum(0)
+    idx = torch.cat(columns).to(torch.int64)[base[torch.tensor(seg_column)[seg_of]] + row]
+    bad = ((seg_of[1:] == seg_of[:-1]) & (idx[1:] <= idx[:-1])).nonzero()
+    if bad.numel():  # as tdgather writes a segment: each frame once, in order
+        at = int(bad[0]) + 1
+        segment = int(seg_of[at])
+        expected = f"strictly increasing indices, each frame once (rows {int(row[at - 1])} and {int(row[at])})"
+        raise shards[seg_column[segment]].c.fail(
+            f"files{key(filenames[seg_file[segment]])} frame_idx", expected, idx[at - 1 : at + 1].tolist()
+        )
+    file_of = torch.tensor(seg_file, dtype=torch.int64)[seg_of]
+    order = torch.argsort(idx, stable=True)
+    order = order[torch.argsort(file_of[order], stable=True)]  # by filename, then frame_idx
+    file_of, idx = file_of[order], idx[order]
+    twice = ((file_of[1:] == file_of[:-1]) & (idx[1:] == idx[:-1])).nonzero()
+    if twice.numel():
+        at = int(twice[0])
+        raise DatasetError(
+            str(dataset.path),
+            f"files{key(filenames[int(file_of[at])])} frame_idx",
+            f"expected each frame once, got frame {int(idx[at])} twice",
+        )
+    segment_number = torch.tensor(seg_number, dtype=torch.int32)[seg_of]
+    return file_of, segment_number[order], row[order], idx
+
+
+def collate_frames(items: Sequence[dict[str, Any]] | dict[str, Any]) -> dict[str, Any]:
+    """A DataLoader ``collate_fn`` for `FrameDataset` items that keeps each frame as it is.
+
+    torch's default collate and convert walk into a TensorDict as into a dict and fail on one
+    frame's (batch size ``[]``); pass this instead, with a ``batch_size`` or ``batch_size=None``.
+
+    Returns:
+        Given one item (``batch_size=None``): that item. Given a list of B items:
+        ``{"filename": [str], "frame_idx": LongTensor[B], "frames": [value, ...]}``: frames may
+        differ in layout (filenames) or rows (ragged leaves), so they are not stacked.
+    """
+    if isinstance(items, dict):
+        return items
+    return {
+        "filename": [x["filename"] for x in items],
+        "frame_idx": torch.tensor([x["frame_idx"] for x in items], dtype=torch.int64),
+        "frames": [x["frames"] for x in items],
+    }
+
+
+def frame_ranges(frame_idx: Sequence[int] | torch.Tensor) -> str:
+    """Sorted frame indexes as runs: ``"0-99, 120-140, 150"``.
+
+    >>> frame_ranges([0, 1, 2, 5, 7, 8])
+    '0-2, 5, 7-8'
+    """
+    values = frame_idx.tolist() if isinstance(frame_idx, torch.Tensor) else list(frame_idx)
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+
+
+# ---- Hugging Face datasets ----
+
+
+@dataclass(frozen=True)
+class _Column:
+    """One leaf column: where it is in a frame, what it holds, and the filename that first had it."""
+
+    path: tuple[str, ...]
+    dtype: torch.dtype | None  # None: a JSON leaf
+    shape: tuple[int, ...]
+    ragged: bool
+    first: str
+
+    def signature(self) -> tuple:
+        return self.dtype, self.shape, self.ragged
+
+    def describe(self) -> str:
+        if self.dtype is None:
+            return "json"
+        return f"{dtype_name(self.dtype)}[{', '.join(['*'] * self.ragged + [str(d) for d in self.shape])}]"
+
+
+def column_label(path: tuple[str, ...]) -> str:
+    """A leaf's column: its keys escaped as in tensor names, joined with ``.``; a plain-tensor frame's is ``frames``.
+
+    So two leaves never share one: ``{"a.b": x}`` is ``a%2Eb``, ``{"a": {"b": y}}`` is ``a.b``.
+
+    >>> column_label(("det", "boxes")), column_label(("a.b",)), column_label(("",)), column_label(())
+    ('det.boxes', 'a%2Eb', '%', 'frames')
+    """
+    return ".".join(map(escape_key, path)) or TENSOR_COLUMN
+
+
+def _columns(dataset: Dataset, names: Sequence[str]) -> dict[str, _Column]:
+    """Every leaf of every filename as a column (dotted key; a plain tensor frame is ``frames``).
+
+    Raises:
+        ExportError: a column named ``filename``/``frame_idx``, or two filenames whose leaves of
+            one name differ in dtype, shape or raggedness.
+    """
+    out: dict[str, _Column] = {}
+    seen_layouts = set()  # filenames of one layout have the same columns: the first of each stands for all
+    for name in names:
+        layout = dataset.layout(name)
+        if layout in seen_layouts:
+            continue
+        seen_layouts.add(layout)
+        found = [_Column(x.path, x.dtype, x.shape, x.ragged, name) for x in layout.leaves]
+        found += [_Column(p, None, (), False, name) for p in layout.nontensor]
+        for col in found:
+            label = column_label(col.path)
+            if label in _RESERVED:
+                raise ExportError(f"{name!r}: a leaf named {label!r} would collide with the {label!r} column")
+            seen = out.setdefault(label, col)
+            if seen.signature() != col.signature():
+                raise ExportError(
+                    f"column {label!r} is {seen.describe()} in {seen.first!r} but {col.describe()} in {name!r}: "
+                    "one table needs one type per column; export those filenames apart (to_hf(filenames=[...]), or "
+                    "tdgather export-hf --filenames ...)"
+                )
+    return dict(sorted(out.items()))
+
+
+def _value_dtype(dtype: torch.dtype) -> str:
+    """The Arrow value type of a tensor dtype (widened where Arrow has none)."""
+    if dtype in _WIDENED or dtype == torch.complex64:
+        return "float32"
+    name = dtype_name(dtype)
+    if name is None or name.startswith(("complex", "float8")):
+        raise ExportError(f"dtype {dtype} has no Hugging Face datasets type")
+    return name
+
+
+def _stored_shape(col: _Column) -> tuple[int, ...]:
+    """The per-frame (per-row, when ragged) shape as stored: complex64 gains a last dim of 2."""
+    return (*col.shape, 2) if col.dtype == torch.complex64 else col.shape
+
+
+def _tensor_feature(value: str, shape: tuple[int, ...], ragged: bool) -> Any:
+    """The ``datasets`` feature of a tensor leaf: Value, List, ArrayND, or nested fixed Lists."""
+    from datasets import Array2D, Array3D, Array4D, Array5D, List, Value
+
+    arrays = {2: Array2D, 3: Array3D, 4: Array4D, 5: Array5D}
+    dims = (None, *shape) if ragged else shape
+    if 2 <= len(dims) <= _MAX_ARRAY_DIMS and all(d > 0 for d in shape):  # ArrayND: None only first
+        return arrays[len(dims)](shape=dims, dtype=value)
+    feature: Any = Value(value)
+    for d in reversed(shape):
+        feature = List(feature, length=d)
+    return List(feature) if ragged else feature
+
+
+def _json_feature(values: list[Any]) -> Any:
+    """A JSON leaf's feature: its type when every non-null value has one (str, bool, int64, float64), else Json."""
+    from datasets import Json, Value
+
+    kinds = {type(v) for v in values if v is not None}
+    if kinds == {str}:
+        return Value("string")
+    if kinds == {bool}:
+        return Value("bool")
+    if kinds == {int} and all(v is None or -(2**63) <= v < 2**63 for v in values):
+        return Value("int64")
+    if kinds == {float}:
+        return Value("float64")
+    return Json()  # mixed types (1 and 1.0 stay apart), huge ints, or no value at all
+
+
+def _json_values(dataset: Dataset, names: Sequence[str], columns: dict[str, _Column]) -> dict[str, list]:
+    """Every JSON leaf's values over ``names`` (reading JSON lines only), per column."""
+    out: dict[str, list] = {label: [] for label, col in columns.items() if col.dtype is None}
+    for name in names:
+        layout = dataset.layout(name)
+        if not layout.nontensor:
+            continue
+        only = _json_only(layout)
+        for shard, group, lo, hi in dataset._segments(name):
+            _, _, json_values = read_rows(shard.f, shard.c, shard.names(group, only), only, lo, hi)
+            for path, values in zip(layout.nontensor, json_values, strict=True):
+                out[column_label(path)].extend(values)
+    return out
+
+
+def hf_features(dataset: Dataset, filenames: Sequence[str] | None = None) -> tuple[Any, dict[str, str]]:
+    """The ``datasets.Features`` `to_hf` gives, and the columns whose dtype it converts.
+
+    Returns:
+        ``(features, converted)``: ``converted`` maps a column to ``"bfloat16 -> float32"`` and the like.
+    """
+    from datasets import Features, Value
+
+    names = _names(dataset, filenames)
+    columns = _columns(dataset, names)
+    json_values = _json_values(dataset, names, columns)
+    features: dict[str, Any] = {"filename": Value("string"), "frame_idx": Value("int64")}
+    converted = {}
+    for label, col in columns.items():
+        if col.dtype is None:
+            features[label] = _json_feature(json_values[label])
+            continue
+        value = _value_dtype(col.dtype)
+        features[label] = _tensor_feature(value, _stored_shape(col), col.ragged)
+        if value != dtype_name(col.dtype):
+            extra = " (real, imag as a last dim of 2)" if col.dtype == torch.complex64 else ""
+            converted[label] = f"{dtype_name(col.dtype)} -> {value}{extra}"
+    return Features(features), converted
+
+
+def _names(dataset: Dataset, filenames: Sequence[str] | None) -> list[str]:
+    if filenames is None:
+        return sorted(dataset)
+    missing = [n for n in filenames if n not in dataset]
+    if missing:
+        raise KeyError(f"not in the dataset: {missing[:5]}")
+    return sorted(set(filenames))
+
+
+def _numpy(t: torch.Tensor) -> Any:
+    """A leaf's data as numpy, in its stored dtype (`_value_dtype`)."""
+    if t.dtype in _WIDENED:
+        t = t.to(torch.float32)
+    elif t.dtype == torch.complex64:
+        t = torch.view_as_real(t.resolve_conj())
+    return t.contiguous().numpy()
+
+
+def _rows_of(dataset: Dataset, name: str, labels: Sequence[str]) -> Iterator[dict[str, Any]]:
+    """One filename's frames as rows: ``filename``, ``frame_idx`` and a value (or None) per column."""
+    frames = dataset[name]
+    count = frames.frame_idx.numel()
+    layout, tensors, json_values = flatten(frames.frames, count, name)
+    cells: dict[str, Any] = {}
+    for leaf, t in zip(layout.leaves, tensors, strict=True):
+        label = column_label(leaf.path)
+        if isinstance(t, Ragged):
+            values, bounds = _numpy(t.values), (t.offsets - t.offsets[0]).tolist()
+            cells[label] = [values[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        else:
+            cells[label] = _numpy(t)
+    for path, values in zip(layout.nontensor, json_values, strict=True):
+        cells[column_label(path)] = values
+    for k, idx in enumerate(frames.frame_idx.tolist()):
+        row = {"filename": name, "frame_idx": idx}
+        for label in labels:
+            column = cells.get(label)
+            row[label] = None if column is None else column[k]
+        yield row
+
+
+def _generate(dataset: Dataset, names: list[str], labels: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    for name in names:
+        yield from _rows_of(dataset, name, labels)
+
+
+def _fingerprint(dataset: Dataset, names: Sequence[str], features: Any) -> str:
+    """What the rows depend on: the index, each shard's size and mtime, the filenames and features."""
+    h = hashlib.sha256(json.dumps(dataset.index, sort_keys=True).encode())
+    for shard in sorted(dataset.index["shards"]):
+        st = os.stat(dataset.path / shard)
+        h.update(f"{shard}:{st.st_size}:{st.st_mtime_ns};".encode())
+    h.update(json.dumps(list(names)).encode())
+    h.update(json.dumps(features.to_dict(), sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+def to_hf(
+    dataset: Dataset, cache_dir: str | os.PathLike | None = None, *, filenames: Sequence[str] | None = None
+) -> Any:
+    """The frames as a Hugging Face ``datasets.Dataset``, one row per frame (needs ``pip install tdgather[hf]``).
+
+    Columns: ``filename`` (string), ``frame_idx`` (int64), then one per leaf, by `column_label`
+    (dotted, escaped keys; a filename whose frames are plain tensors fills ``frames``); a filename without a leaf has
+    None there. Features are typed: a scalar leaf is a ``Value``, a ``[n]`` leaf a
+    ``List(Value, length=n)``, 2 to 5 dims an ``Array2D``..``Array5D``; a ragged leaf with rows
+    ``[...]`` is an ``ArrayND`` whose first dim is None (``List(Value)`` for scalar rows). A
+    JSON leaf is a ``Value`` of its type (string, bool, int64, float64) when every value has
+    that one type, else ``Json()``.
+
+    Dtypes Arrow lacks are converted, never refused, and listed in ``info.description``:
+    bfloat16 and the float8 types become float32 (which holds each of their values exactly);
+    complex64 becomes float32 with a last dim of 2 (real, imag). Every other dtype is kept.
+
+    Args:
+        dataset: an open `tdgather.Dataset`.
+        cache_dir: where ``datasets`` writes its Arrow files; the result is memory-mapped from
+            there and reused while the dataset on disk is unchanged. None: built in a temporary
+            directory, loaded into memory, and the directory removed (nothing under your home).
+        filenames: export only these filenames (default: all).
+
+    Raises:
+        ImportError: ``datasets`` is not installed.
+        ExportError: two filenames give one column different types (export them apart).
+    """
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError("tdgather's to_hf needs Hugging Face datasets: pip install 'tdgather[hf]'") from e
+    names = _names(dataset, filenames)
+    features, converted = hf_features(dataset, names)
+    labels = [k for k in features if k not in _RESERVED]
+    kwargs = {
+        "features": features,
+        "gen_kwargs": {"dataset": dataset, "names": names, "labels": tuple(labels)},  # one list: the shards
+        "fingerprint": _fingerprint(dataset, names, features),
+    }
+    try:
+        if cache_dir is None:
+            with tempfile.TemporaryDirectory(prefix="tdgather-hf-") as tmp:
+                out = datasets.Dataset.from_generator(_generate, cache_dir=tmp, keep_in_memory=True, **kwargs)
+        else:
+            out = datasets.Dataset.from_generator(_generate, cache_dir=os.fspath(cache_dir), **kwargs)
+    except datasets.exceptions.DatasetGenerationError as e:  # it wraps what our reads raised: give that back
+        cause = e.__cause__ or e.__context__
+        if isinstance(cause, TdgatherError):
+            raise cause from None
+        raise
+    out.info.description = json.dumps({"tdgather": {"source": str(dataset.path), "converted": converted}})
+    return out

@@ -1,0 +1,609 @@
+"""Stage 5, the sink: sharded safetensors plus a JSON index, atomic and durable.
+
+Layout of a dataset directory (documented in the README)::
+
+    out/epoch_3/
+        shard-00000.safetensors       # valid safetensors: readable with safetensors alone
+        shard-00001.safetensors
+        tdgather.index.json           # written last: its presence means "complete"
+
+In a shard, the frames of every filename of one layout ("group" ``g<k>``) are
+stored back to back, filenames in sorted order: ``g<k>:frame_idx`` (int64
+``[N]``), one tensor per leaf named by its path, ``g<k>.depth``, ``g<k>.det.boxes``
+(``[N, ...]``; for a ragged leaf its values, ``[sum N_i, ...]``, with
+``g<k>.det.boxes:offsets``, int64 ``[N+1]``: frame ``i``'s rows are
+``offsets[i] : offsets[i+1]``), and for JSON leaves their UTF-8 JSON lines (uint8)
+with ``:offsets`` (int64 ``[N+1]`` byte offsets); `tdgather.format.names` has the escaping
+rule. The index maps each filename to its segments
+(shard, group, first row, frame count), so reading one filename reads only its
+rows. A one-shot `save` gives each filename one segment; a streaming
+`tdgather.Collector` may give it one per shard it wrote while frames arrived.
+
+Writes go to a staging directory ``<name>.partial`` beside the target. Every
+file is written to a temporary name, fsynced, renamed, and the directory
+fsynced; the index comes last; then the staging directory is moved into place.
+What may be replaced, and how, is `tdgather.storage.outdir`'s (the output directory's rules).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from ..core.duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
+from ..core.frames import Frames, Layout, flatten, ragged_hint
+from ..core.gcpause import collection_paused
+from ..core.plan import Mismatches
+from ..core.ragged import Ragged, joined, offsets_of
+from ..core.runs import in_runs
+from ..errors import FrameConflictError, OutputError, ShapeMismatchError
+from ..format.check import Check
+from ..format.names import (
+    FORMAT,
+    INCOMPLETE_NAME,
+    INDEX_NAME,
+    SHARD_NAME,
+    SHARD_VERSION,
+    group_names,
+    index_version,
+    next_number,
+    shard_name,
+)
+from ..format.records import Attempt, Failure, IndexMeta, ShardRecord
+from .atomic import LocalFS
+from .catalog import UNKNOWN, Catalog
+from .outdir import check_output, lock_dir, publish, remove_ours, staging_of
+from .recovery import SavedState, from_shards, load_state, new_run
+from .segments import cat_columns, read_segment
+
+__all__ = ["DEFAULT_SHARD_BYTES", "DatasetWriter"]
+
+_TRUSTED = Check("(this run's own record)")  # attempts this writer read back, checked already
+
+DEFAULT_SHARD_BYTES = 1 << 30
+
+
+class DatasetWriter:
+    """Writes a dataset incrementally: shards as they fill, the index last.
+
+    Call order (rank ``dst`` only):
+
+    1. ``DatasetWriter(path, ...)`` checks the output and opens ``<path>.partial``;
+    2. ``write(frames)`` any number of times: each call writes one or more shards (their fsync and
+       rename into place run on a background thread, overlapping what comes next). A filename
+       may appear in several calls; its frames then form several segments, and a frame already
+       written is compared with its copy on disk and resolved by the duplicates policy (the
+       copy on disk stays; the new one is dropped and counted, or refused);
+    3. ``commit()`` waits until every shard is durable, writes the index and moves the dataset
+       into place; or ``abort()``, which
+       keeps the committed shards in ``<path>.partial`` and writes no index there, only (given
+       the failure) ``tdgather.incomplete.json``, which lists them.
+
+    With several writers (`tdgather.format.parts`, `tdgather.storage.combine`), ``writer`` numbers
+    this writer's shards; the coordinator's writer calls ``combine`` with the others' reports before ``commit``. Another
+    writer is a ``part`` (the run id and attempt the coordinator gave): it writes into the
+    coordinator's ``<path>.partial`` without checking or locking it, its ``commit`` writes no index
+    (``report`` lists its shards), and its ``abort`` writes no record (the coordinator does).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        overwrite: bool = False,
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+        duplicates: str | DuplicatePolicy = "keep",
+        resume: bool = False,
+        writer: int | None = None,
+        part: tuple[str, int] | None = None,
+        fs: LocalFS | None = None,
+    ) -> None:
+        self.fs = fs or LocalFS()  # every file goes through it: the seam for faults and other stores
+        self.policy = DuplicatePolicy.of(duplicates)
+        self.max_shard_bytes = max_shard_bytes
+        self.writer, self.part = writer, part
+        if part is not None:  # one writer's part of a dataset the coordinator opened (`tdgather.format.parts`)
+            self.target = Path(path)
+            self.staging = staging_of(self.target)
+            self._lock = None
+            if not self.staging.is_dir():
+                raise OutputError(
+                    f"{str(self.staging)!r}, which rank dst made, is not there as this rank sees it: with "
+                    "ranks_per_writer, every writer writes into one output directory, on a filesystem all of them "
+                    "share (or use one Collector per node, each with its own path)"
+                )
+            state = SavedState(part[0])
+            existing = [n for n in os.listdir(self.staging) if SHARD_NAME.fullmatch(n)]
+        else:
+            self.target = check_output(path, overwrite, resume)
+            self.staging = staging_of(self.target)
+            state = self._open_staging(overwrite, resume)
+            existing = list(state.shards)
+        # resuming a complete dataset replaces it with one that holds all its frames
+        self.overwrite = overwrite or (resume and (self.target / INDEX_NAME).is_file())
+        self.run, self.attempts, self.attempt = state.run, state.attempts, part[1] if part else state.attempt
+        self.saved = state.saved()  # what earlier attempts saved, as every rank gets it
+        self.shards: dict[str, dict] = state.shards
+        self.catalog = Catalog()  # per filename: layout, frames written (as runs), segments, senders
+        self.catalog.load(state.files, state.layouts, state.written)
+        self._saved_frames = self.frames
+        self._next_shard = next_number(existing, writer)
+        self.duplicates = DuplicateCounts()  # copies dropped against frames already on disk
+        self._syncer: ThreadPoolExecutor | None = None  # makes shards durable while the next is written
+        self._syncing: list[tuple[str, Future]] = []
+        self._failed: list[str] = []  # shards whose last step failed: never listed
+
+    def _open_staging(self, overwrite: bool, resume: bool) -> SavedState:
+        """Lock ``<path>.partial`` (no other job writes there now); what it holds to continue from, or a fresh one."""
+        self._lock = lock_dir(self.staging) if self.staging.is_dir() else None
+        try:
+            state = load_state(self.target, self.staging, overwrite) if resume else None
+            if state is None:
+                remove_ours(self.staging)  # check_output allowed only tdgather's own files there
+                self.staging.mkdir()
+                self._unlock()  # the removed directory's
+                state = SavedState(new_run())
+            if self._lock is None:  # a new staging directory (fresh, or made from a complete dataset)
+                self._lock = lock_dir(self.staging)
+        except BaseException:
+            self._unlock()
+            raise
+        return state
+
+    @property
+    def frames(self) -> int:
+        """Frames committed so far."""
+        return sum(s["frames"] for s in self.shards.values())
+
+    @property
+    def files(self) -> dict[str, dict]:
+        """``{filename: {"frames", "segments"}}`` committed so far, as the index lists them (built on each call)."""
+        return self.catalog.files()
+
+    @property
+    def nbytes(self) -> int:
+        """Frame bytes committed so far."""
+        return sum(s["bytes"] for s in self.shards.values())
+
+    def write(
+        self,
+        frames: Mapping[str, Frames] | Any,
+        ranks: Mapping[str, set[int]] | None = None,
+        mismatches: Mismatches | None = None,
+    ) -> list[str]:
+        """Commit ``{filename: Frames}`` as new shards; return their names.
+
+        Args:
+            frames: the frames, one `Frames` per filename; or anything with ``groups`` (a
+                `tdgather.Gathered`, a merge's result), whose columnar buffers are written as they are.
+                A group's ``rank`` (one sender per row, as a merge gives) names each frame's sender in errors.
+            ranks: for each filename, the ranks that sent these frames (named in conflict errors, where
+                the frames carry no ``rank`` of their own and one rank sent them all).
+            mismatches: go on past a filename written before with another layout: leave out its
+                new frames and record the filename and its error here.
+
+        Raises:
+            ShapeMismatchError: a filename written before with another layout (without
+                ``mismatches``); nothing of this call is written.
+            DuplicateFrameError: a frame written before, which the policy refuses to see again.
+        """
+        with collection_paused():
+            return self._write(frames, ranks or {}, mismatches)
+
+    def _write(self, frames: Any, ranks: Mapping[str, set[int]], mismatches: Mismatches | None) -> list[str]:
+        shards: list[list[_Item]] = [[]]
+        size = 0
+        for item in self._drop_written(_items(frames, ranks), mismatches):
+            nbytes = _frame_bytes(item.layout, item.idx, item.tensors)
+            if shards[-1] and size + nbytes + 8 * item.idx.numel() > self.max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(item)
+            size += nbytes + 8 * item.idx.numel()
+        return [self._write_shard(shard) for shard in shards if shard]
+
+    def _write_shard(self, shard: list[_Item]) -> str:
+        name_of_shard = shard_name(self.writer, self._next_shard)
+        self._next_shard += 1
+        groups, entries, segments = _shard_tensors(shard)
+        record = [[item.name, *s] for item, s in zip(shard, segments, strict=True)]
+        meta = ShardRecord(name_of_shard, groups, record, self.run, self.attempt).to_metadata()
+        self.fs.write_safetensors(self.staging / name_of_shard, entries, meta, then=self._in_background(name_of_shard))
+        for item, (group, start, frames) in zip(shard, segments, strict=True):
+            segment = {"shard": name_of_shard, "group": group, "start": start, "frames": frames}
+            self.catalog.add(item.name, item.layout, segment, item.idx, item.runs, item.rank)
+        self.shards[name_of_shard] = {
+            "frames": sum(item.idx.numel() for item in shard),
+            "bytes": sum(_frame_bytes(item.layout, item.idx, item.tensors) for item in shard),
+            "groups": groups,
+        }
+        return name_of_shard
+
+    def _mismatch(self, item: _Item) -> ShapeMismatchError:
+        old_layout, old_ranks = self.catalog.layout(item.name), self.catalog.ranks(item.name)
+        before = f"from ranks {old_ranks}" if old_ranks else "an earlier attempt of this run"
+        return ShapeMismatchError(
+            f"filename {item.name!r}: frames already written ({before}) have "
+            f"{old_layout.describe()}, new ones (from ranks {_ranks_in(item.rank)}) have {item.layout.describe()}; "
+            "every frame of a filename must have the same structure, shape and dtype"
+            f"{ragged_hint(old_layout, item.layout)}"
+        )
+
+    def _drop_written(self, items: list[_Item], mismatches: Mismatches | None) -> list[_Item]:
+        """Resolve frames already on disk by the policy: the disk copy stays, the new one goes.
+
+        A filename written before with another layout raises (or, with ``mismatches``, is recorded
+        and left out). Every copy is compared in one pass: each shard is opened once per window of
+        rows (`_windows`), not once per filename.
+        """
+        out: list[_Item | None] = list(items)
+        hits: list[tuple[int, torch.Tensor]] = []  # (item, which of its frames are on disk)
+        for k, item in enumerate(items):
+            layout = self.catalog.layout(item.name)
+            if layout is None:
+                continue
+            if layout != item.layout:
+                if mismatches is None:
+                    raise self._mismatch(item)
+                mismatches.setdefault(item.name, (layout, self._mismatch(item)))
+                out[k] = None
+                continue
+            again = in_runs(self.catalog.written(item.name), item.idx)
+            if bool(again.any()):
+                hits.append((k, again))
+                out[k] = _take(item, (~again).nonzero().flatten())
+        if hits:
+            self._settle()  # the shards read back must be in place
+            self._compare_written(items, hits)
+        return [item for item in out if item is not None and item.idx.numel()]
+
+    def _compare_written(self, items: list[_Item], hits: list[tuple[int, torch.Tensor]]) -> None:
+        """Compare the copies ``hits`` names with the frames on disk, a window of a shard's group at a time."""
+        by_group: dict[tuple[str, str], list[tuple[dict, int, torch.Tensor]]] = {}
+        for k, again in hits:
+            for seg in self.catalog.segments(items[k].name):
+                by_group.setdefault((seg["shard"], seg["group"]), []).append((seg, k, again))
+        for (shard, group), segs in by_group.items():
+            layout = items[segs[0][1]].layout
+            for lo, hi, window in _windows(segs, layout):
+                window_seg = {"shard": shard, "group": group, "start": lo, "frames": hi - lo}
+                old_idx, old_tensors, old_json = read_segment(self.staging, window_seg, layout)
+                self._compare_window(items, window, lo, layout, old_idx, old_tensors, old_json)
+
+    def _compare_window(
+        self, items: list[_Item], window: list, lo: int, layout: Layout, old_idx, old_tensors, old_json
+    ) -> None:
+        new_rows, old_rows, where = [], [], []  # per copy: its item and row, the row on disk, its segment
+        for seg, k, again in window:
+            a = seg["start"] - lo
+            on_disk = old_idx[a : a + seg["frames"]]
+            idx = items[k].idx
+            pos = (again & torch.isin(idx, on_disk)).nonzero().flatten()
+            if pos.numel():
+                new_rows.append((k, pos))
+                old_rows.append(a + torch.searchsorted(on_disk, idx[pos]))
+                where.extend((seg, k, p) for p in pos.tolist())
+        if not new_rows:
+            return
+        old_pos = torch.cat(old_rows)
+        leaves, json_leaves = range(len(layout.leaves)), range(len(layout.nontensor))
+        new_tensors = [cat_columns([items[k].tensors[j].index_select(0, p) for k, p in new_rows]) for j in leaves]
+        new_json = [[items[k].json[j][i] for k, p in new_rows for i in p.tolist()] for j in json_leaves]
+        verdict = compare(
+            layout,
+            new_tensors,
+            [t.index_select(0, old_pos) for t in old_tensors],
+            new_json,
+            [[values[i] for i in old_pos.tolist()] for values in old_json],
+            self.policy,
+        )
+        if bool(verdict.refused.any()):
+            c = int(verdict.refused.nonzero()[0])
+            seg, k, p = where[c]
+            raise self._conflict(items[k], p, seg, int(old_pos[c]) - (seg["start"] - lo), verdict.describe(c))
+        self.duplicates += verdict.counts
+
+    def _conflict(self, item: _Item, pos: int, seg: dict, row: int, how: str) -> Exception:
+        """The error for copy ``pos`` of ``item``, refused against row ``row`` of segment ``seg`` on disk."""
+        old = int(self.catalog.rank_rows(seg["k"])[row])
+        new = item.rank if isinstance(item.rank, int) else int(item.rank[pos])
+        first = f"rank {old}" if old >= 0 else "an earlier attempt of this run"
+        later = f"later rank {new}" if new >= 0 else f"a later copy (from ranks {_ranks_in(item.rank)})"
+        where = f" (the first copy was written to {seg['shard']} before this one arrived)"
+        return conflict(item.name, int(item.idx[pos]), how, self.policy, f"{first} and {later}", where)
+
+    def report(self) -> dict[str, dict]:
+        """A writer's part (`tdgather.format.parts`): once every shard is durable, its frames, bytes and file size."""
+        self._settle()
+        return {
+            name: {**{k: v for k, v in entry.items() if k != "groups"}, "size": (self.staging / name).stat().st_size}
+            for name, entry in self.shards.items()
+        }
+
+    def combine(self, parts: Mapping[int, Mapping[str, dict]]) -> DuplicateCounts:
+        """The coordinator's step before ``commit``: take every writer's shards, as ``{writer: report}``.
+
+        Each shard reported must be in ``<path>.partial`` as this rank sees it, at the size its writer
+        wrote. Every shard's own record is read back (checked as `tdgather.open` checks a dataset),
+        copies of one frame held by several writers are resolved by the policy, and the result is what
+        ``commit`` lists. Returns the copies dropped.
+
+        Raises:
+            OutputError: a shard reported is missing or of another size (the output is not shared).
+            DuplicateFrameError, ShapeMismatchError: copies the policy refuses; two layouts for a filename.
+        """
+        self._settle()
+        for writer, shards in parts.items():
+            for name, entry in shards.items():
+                path = self.staging / name
+                size = path.stat().st_size if path.is_file() else None
+                if size != entry["size"]:
+                    seen = "is missing" if size is None else f"has {size} bytes"
+                    raise OutputError(
+                        f"writer {writer} wrote {name} ({entry['size']} bytes) into {str(self.staging)!r}, which here "
+                        f"{seen}: with ranks_per_writer, the output must be on a filesystem every writer shares"
+                    )
+        names = sorted({*self.shards, *(name for shards in parts.values() for name in shards)})
+        if not names:  # no writer had a frame: an empty dataset
+            return DuplicateCounts()
+        state = from_shards(self.staging, names, policy=self.policy, frames=False)
+        self.shards, self.catalog = state.shards, Catalog()
+        self.catalog.load(state.files, state.layouts, state.written)
+        return state.duplicates
+
+    def commit(self, metadata: Mapping[str, Any] | None = None) -> Path:
+        """Write the index (last), then move the dataset into place; return its path.
+
+        A writer's part (``part``) writes no index: it only waits until its shards are durable.
+        """
+        self._settle()
+        if self.part is not None:
+            return self.staging
+        (self.staging / INCOMPLETE_NAME).unlink(missing_ok=True)  # an earlier attempt's record
+        self.fs.write_atomic(self.staging / INDEX_NAME, self._index(metadata))
+        publish(self.staging, self.target, self.overwrite, self.fs.exchange)
+        self._unlock()
+        return self.target
+
+    def set_policy(self, policy: DuplicatePolicy) -> None:
+        """The duplicates policy for the writes that follow."""
+        self.policy = policy
+
+    def discard(self) -> None:
+        """Remove what this run wrote, unless it was committed; for a caller that still holds the frames (`save`)."""
+        self._settle(raise_first=False)
+        if not (self.staging / INDEX_NAME).exists():
+            remove_ours(self.staging)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def abort(
+        self, failure: BaseException | None = None, metadata: Mapping[str, Any] | None = None, rank: int | None = None
+    ) -> Path:
+        """Stop: the committed shards stay in ``<path>.partial``; return that path.
+
+        With ``failure``, an index of what was committed is written there as ``tdgather.incomplete.json``
+        (never ``tdgather.index.json``), naming the failure, so ``tdgather.open(path, incomplete=True)``
+        reads the frames saved before it. Its ``rank`` is the failure's own (a peer's error), else
+        ``rank`` (the writer's, whose own code raised), and null for a conflict between ranks.
+        """
+        failed = self._settle(raise_first=False)
+        for name in failed:  # a shard that never became durable is not listed
+            self.shards.pop(name, None)
+        self.catalog.drop_shards(set(failed))
+        if failure is not None and self.part is None:  # a writer's failure goes to the coordinator, who records it
+            who = getattr(failure, "rank", None)
+            if who is None and not isinstance(failure, FrameConflictError):
+                who = rank
+            record = self._index(metadata, Failure(type(failure).__name__, str(failure), who))
+            self.fs.write_atomic(self.staging / INCOMPLETE_NAME, record)
+        self._unlock()
+        return self.staging
+
+    def _in_background(self, shard: str) -> Callable[[Callable[[], None]], None]:
+        def submit(finish: Callable[[], None]) -> None:
+            if self._syncer is None:
+                self._syncer = ThreadPoolExecutor(1, thread_name_prefix="tdgather-fsync")
+            self._syncing.append((shard, self._syncer.submit(finish)))
+
+        return submit
+
+    def _settle(self, raise_first: bool = True) -> list[str]:
+        """Wait until every shard written is durable and in place; return the names of those that failed.
+
+        Raises:
+            OutputError: the first failure, with ``raise_first``.
+        """
+        first = None
+        for name, future in self._syncing:
+            error = future.exception()
+            if error is not None:
+                self._failed.append(name)
+                first = first or error
+        self._syncing.clear()
+        if self._syncer is not None:
+            self._syncer.shutdown()
+            self._syncer = None
+        if first is not None and raise_first:
+            raise first
+        return self._failed
+
+    def _index(self, metadata: Mapping[str, Any] | None, failure: Failure | None = None) -> Iterator[bytes]:
+        """The index's JSON, in pieces: ``files`` (last) is written from the catalog a few filenames at a time.
+
+        ``metadata``: the caller's part of `IndexMeta` (``user``, duplicate counts, frames per rank).
+        """
+        this = Attempt(self.attempt, self.frames - self._saved_frames, failure)
+        meta = IndexMeta(
+            total_frames=self.frames,
+            total_bytes=self.nbytes,
+            num_filenames=self.catalog.num_files(),
+            run=self.run,
+            attempts=(*(Attempt.from_json(a, _TRUSTED, "attempts") for a in self.attempts), this),
+            failure=failure,
+            **(metadata or {}),
+        )
+        version = index_version(self.shards)
+        index = {"format": FORMAT, "version": version, "metadata": meta.to_json(), "shards": self.shards}
+        head = json.dumps(index, ensure_ascii=False, allow_nan=False)
+        yield (head[:-1] + ', "files": ').encode()
+        for piece in self.catalog.json_chunks():
+            yield piece.encode()
+        yield b"}"
+
+
+class _Item(NamedTuple):
+    """One filename's frames in one write: a shard's unit."""
+
+    name: str
+    layout: Layout
+    idx: torch.Tensor
+    tensors: list
+    json: list[list]
+    runs: tuple[int, int] | None  # (lo, hi) when idx is the run lo..hi
+    rank: Any  # the sender of every row (int, UNKNOWN if not known), or one per row (int32 tensor)
+
+
+def _items(frames: Any, ranks: Mapping[str, set[int]]) -> list[_Item]:
+    """One `_Item` per filename, sorted by name."""
+    groups = getattr(frames, "groups", None)
+    if groups is None:
+        items = []
+        for name in sorted(frames):
+            f = frames[name]
+            layout, tensors, json_values = flatten(f.frames, f.frame_idx.numel(), f"filename {name!r}")
+            items.append(_Item(name, layout, f.frame_idx, tensors, json_values, None, _one_rank(ranks.get(name))))
+        return items
+    items = []
+    for g in groups:  # views of the group's buffers: nothing is copied or rebuilt per file
+        runs, senders = _runs_per_file(g), _senders_per_file(g, ranks)
+        for i, name in enumerate(g.files):
+            lo, hi = g.starts[i], g.starts[i] + g.counts[i]
+            tensors, json_values = [t[lo:hi] for t in g.leaves], [v[lo:hi] for v in g.json]
+            items.append(_Item(name, g.layout, g.frame_idx[lo:hi], tensors, json_values, runs[i], senders[i]))
+    return sorted(items, key=lambda item: item.name)
+
+
+def _one_rank(ranks: Any) -> int:
+    return next(iter(ranks)) if ranks is not None and len(ranks) == 1 else UNKNOWN
+
+
+def _runs_per_file(g: Any) -> list[tuple[int, int] | None]:
+    """For each file of a group, ``(lo, hi)`` when its frame_idx (sorted, distinct) are the run lo..hi, else None."""
+    if not g.frame_idx.numel():
+        return [None] * len(g.files)
+    starts, counts = torch.tensor(g.starts, dtype=torch.int64), torch.tensor(g.counts, dtype=torch.int64)
+    lo, hi = g.frame_idx[starts], g.frame_idx[starts + counts - 1]
+    one_run = (hi - lo + 1 == counts) & (counts > 0)
+    return [(a, b) if ok else None for a, b, ok in zip(lo.tolist(), hi.tolist(), one_run.tolist(), strict=True)]
+
+
+def _senders_per_file(g: Any, ranks: Mapping[str, set[int]]) -> list[Any]:
+    """For each file of a group, the rank that sent all its rows, or (several) each row's, as `_Item.rank`.
+
+    The ranks given for a filename come first; else the group's ``rank`` of each row, where it has one.
+    """
+    rank = getattr(g, "rank", None)
+    if ranks or rank is None or not rank.numel():
+        return [_one_rank(ranks.get(name)) for name in g.files]
+    counts = torch.tensor(g.counts, dtype=torch.int64)
+    file_of = torch.repeat_interleave(torch.arange(len(g.files)), counts)
+    low = torch.full((len(g.files),), 1 << 30, dtype=torch.int32).scatter_reduce(0, file_of, rank, "amin")
+    high = torch.full((len(g.files),), -1, dtype=torch.int32).scatter_reduce(0, file_of, rank, "amax")
+    return [
+        a if a == b else rank[s : s + n]
+        for a, b, s, n in zip(low.tolist(), high.tolist(), g.starts, g.counts, strict=True)
+    ]
+
+
+def _take(item: _Item, rows: torch.Tensor) -> _Item:
+    """``item`` with only ``rows`` of its frames."""
+    rank = item.rank[rows] if isinstance(item.rank, torch.Tensor) else item.rank
+    json_values = [[values[k] for k in rows.tolist()] for values in item.json]
+    tensors = [t.index_select(0, rows) for t in item.tensors]
+    return _Item(item.name, item.layout, item.idx[rows], tensors, json_values, None, rank)
+
+
+def _ranks_in(rank: Any) -> list[int]:
+    """The known ranks an `_Item.rank` names."""
+    ranks = rank.unique().tolist() if isinstance(rank, torch.Tensor) else [rank]
+    return [r for r in ranks if r >= 0]
+
+
+_WINDOW_BYTES = 16 << 20  # rows of a shard's group read back at once to compare copies with
+
+
+def _windows(segs: list[tuple[dict, int, Any]], layout: Layout) -> Iterator[tuple[int, int, list]]:
+    """``segs`` (of one shard's group) by start, in windows of rows ``lo:hi`` of at most `_WINDOW_BYTES`."""
+    most = max(1, _WINDOW_BYTES // max(1, layout.frame_nbytes))
+    window: list = []
+    lo = hi = 0
+    for seg in sorted(segs, key=lambda s: s[0]["start"]):
+        start, end = seg[0]["start"], seg[0]["start"] + seg[0]["frames"]
+        if window and end - lo > most:
+            yield lo, hi, window
+            window = []
+        if not window:
+            lo = hi = start
+        window.append(seg)
+        hi = max(hi, end)
+    if window:
+        yield lo, hi, window
+
+
+def _shard_tensors(shard: list) -> tuple[dict, list, list]:
+    """Group a shard's filenames by layout; return group descriptions, tensor entries and each one's segment.
+
+    A segment is ``(group, start, frames)``, in the order of ``shard``.
+    """
+    by_layout: dict[Layout, list[int]] = {}  # each layout's items, by their place in the shard
+    for k, item in enumerate(shard):
+        by_layout.setdefault(item[1], []).append(k)
+    groups, entries, segments = {}, [], [None] * len(shard)
+    for g, (layout, places) in enumerate(by_layout.items()):
+        key = f"g{g}"
+        names = group_names(key, layout, int(SHARD_VERSION))
+        groups[key] = layout.to_json()
+        items = [shard[k] for k in places]
+        row = 0
+        for k, item in zip(places, items, strict=True):
+            n = item[2].numel()
+            segments[k] = (key, row, n)
+            row += n
+        entries.append((names.frame_idx, torch.int64, (row,), [x[2] for x in items]))
+        for j, (name, leaf) in enumerate(zip(names.leaves, layout.leaves, strict=True)):
+            column = [x[3][j] for x in items]
+            if leaf.ragged:  # values, then offsets: frame i is rows offsets[i] : offsets[i + 1]
+                spans = [r.span() for r in joined(column)]
+                offsets = offsets_of(torch.cat([n for _, n in spans]))
+                values = [v for v, _ in spans]
+                entries.append((name, leaf.dtype, (int(offsets[-1]), *leaf.shape), values))
+                entries.append((names.offsets(name), torch.int64, (row + 1,), [offsets]))
+            else:
+                entries.append((name, leaf.dtype, (row, *leaf.shape), column))
+        for j, name in enumerate(names.json):
+            lines = [
+                json.dumps(v, ensure_ascii=False, allow_nan=False).encode() + b"\n" for x in items for v in x[4][j]
+            ]
+            offsets = torch.tensor([0, *map(len, lines)], dtype=torch.int64).cumsum(0)
+            blob = torch.frombuffer(bytearray(b"".join(lines)), dtype=torch.uint8)
+            entries.append((name, torch.uint8, (blob.numel(),), [blob]))
+            entries.append((names.offsets(name), torch.int64, (row + 1,), [offsets]))
+    return groups, entries, segments
+
+
+def _frame_bytes(layout: Layout, idx: torch.Tensor, tensors: list) -> int:
+    """Tensor bytes of one filename's frames: the fixed leaves', and its ragged leaves' values."""
+    return idx.numel() * layout.frame_nbytes + sum(t.nbytes for t in tensors if isinstance(t, Ragged))
+
+

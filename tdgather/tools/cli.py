@@ -1,0 +1,294 @@
+"""The ``tdgather`` command: a thin layer over the library.
+
+``tdgather demo`` runs the demo job on a local CPU world; ``tdgather inspect
+PATH`` describes a saved dataset (``--frames FILENAME``: one filename's frames and
+value statistics); ``tdgather export-hf PATH OUT`` writes it as a Hugging Face
+``datasets`` dataset (``--parquet``: Parquet shards). (The benchmark suite lives in ``benchmarks/`` of a
+source checkout: ``python -m benchmarks.suite``; the package never imports it.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import TdgatherError
+from .launch import WorldError
+
+__all__ = ["main"]
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    print(
+        f"tdgather demo: {args.world_size} ranks (gloo, CPU), {args.videos} synthetic videos, writing {args.out}",
+        flush=True,
+    )
+    try:
+        s = run_demo(
+            args.world_size, args.videos, args.max_frames, args.size, args.batch, args.out, args.seed, args.timeout
+        )
+    except WorldError as e:  # one line per failed rank: its last line, which names the error
+        for rank, failure in sorted(e.failures.items()):
+            print(f"tdgather demo: rank {rank}: {failure.strip().splitlines()[-1]}", file=sys.stderr)
+        return 1
+    per_rank = ", ".join(f"{r}: {n}" for r, n in s["frames_per_rank"].items())
+    rows = [
+        ("frames", f"{s['frames']} in {s['filenames']} filenames (per rank {per_rank})"),
+        ("bytes", _size(s["bytes"])),
+        ("duplicates dropped", str(s["duplicates_dropped"])),
+        ("loop seconds", f"{s['loop_seconds']:.2f} (rank 0: inference while collecting)"),
+        ("close seconds", f"{s['close_seconds']:.3f} (rank 0, after its last batch; waits for slower ranks)"),
+        ("collector seconds", f"{s['seconds']:.2f} (open to close, rank 0)"),
+        ("wall seconds", f"{s['wall_seconds']:.2f} (with process start)"),
+        ("written to", f"{s['out']} ({s['shards']} shard(s) + tdgather.index.json)"),
+    ]
+    for key, value in rows:
+        print(f"  {key:<20}{value}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from ..storage.reader import Dataset
+
+    ds = Dataset(args.path, incomplete=args.incomplete)
+    ds.verify()  # every shard's header, against the index: what open() checks lazily
+    if args.frames is not None:
+        return _inspect_frames(ds, args.frames)
+    names = list(ds)
+    shown = names if args.all else names[: args.limit]
+    width = min(60, max([len(repr(n)) for n in shown] + [8]))
+    print(f"{'filename':<{width}}  {'frames':>7}  layout")
+    for name in shown:
+        print(f"{name!r:<{width}}  {ds.num_frames(name):>7}  {ds.layout(name).describe()}")
+        for leaf, n in ds.lengths(name).items():  # ragged leaves: rows per frame
+            spread = f"min {int(n.min())}, mean {float(n.double().mean()):.1f}, max {int(n.max())}"
+            print(f"{'':<{width}}  {'':>7}    {leaf}: rows per frame {spread}")
+    if len(shown) < len(names):
+        print(f"... {len(names) - len(shown)} more (--all shows every filename)")
+    m = ds.metadata
+    print(
+        f"total: {m['num_filenames']} filenames, {m['total_frames']} frames, {_size(m['total_bytes'])} "
+        f"in {len(ds.index['shards'])} shard(s)"
+    )
+    _print_shards(ds, args.all)
+    _print_duplicates(m)
+    _print_attempts(m)
+    if "failure" in m:
+        f = m["failure"]
+        print(f"incomplete: saved before {f['type']}" + (f" (rank {f['rank']})" if f["rank"] is not None else ""))
+        print(f"  {f['message']}")
+    return 0
+
+
+def _print_shards(ds: Any, every: bool, limit: int = 10) -> None:
+    """One line per shard: its frames, bytes and groups (the first ``limit`` unless ``every``)."""
+    shards = ds.index["shards"]
+    for name in list(shards)[: None if every else limit]:
+        entry = shards[name]
+        groups = ", ".join(entry["groups"])
+        print(f"  {name}  {entry['frames']:>7} frames  {_size(entry['bytes']):>9}  groups {groups}")
+    if not every and len(shards) > limit:
+        print(f"  ... {len(shards) - limit} more shard(s) (--all shows every shard)")
+
+
+def _print_duplicates(m: dict) -> None:
+    """The duplicate copies dropped while gathering, as the index metadata records them (if it does)."""
+    d = m.get("duplicates")
+    if not isinstance(d, dict):
+        return
+    dropped = m.get("duplicates_dropped", d.get("exact", 0) + d.get("inexact", 0))
+    print(
+        f"duplicates dropped: {dropped} (exact {d.get('exact')}, inexact {d.get('inexact')}, "
+        f"max abs diff {d.get('max_abs_diff')})"
+    )
+
+
+def _print_attempts(m: dict) -> None:
+    """A resumed run's attempts: the frames each saved, and how it ended (as the index records them)."""
+    attempts = m.get("attempts")
+    if not isinstance(attempts, list) or len(attempts) < 2 or not all(isinstance(a, dict) for a in attempts):
+        return
+    for a in attempts:
+        failure = a.get("failure")
+        ended = f"{failure.get('type')}" if isinstance(failure, dict) else "completed"
+        if isinstance(failure, dict) and failure.get("rank") is not None:
+            ended += f", rank {failure['rank']}"
+        print(f"attempt {a.get('attempt')}: {a.get('frames')} frames saved ({ended})")
+
+
+def _inspect_frames(ds: Any, name: str) -> int:
+    """One filename: its frame indexes as runs, its segments, and each leaf's value statistics."""
+    from ..core.frames import flatten
+    from ..core.ragged import Ragged
+    from ..storage.views import column_label, frame_ranges
+
+    if name not in ds:
+        print(f"tdgather: {name!r} is not in {str(ds.path)!r} ({len(ds)} filenames)", file=sys.stderr)
+        return 1
+    frames = ds[name]
+    count = frames.frame_idx.numel()
+    print(f"{name!r}: {count} frames, {ds.layout(name).describe()}")
+    print(f"frame_idx: {frame_ranges(frames.frame_idx)}")
+    for s in ds.index["files"][name]["segments"]:
+        print(f"  segment: {s['shard']} {s['group']} rows {s['start']}..{s['start'] + s['frames']}")
+    layout, tensors, json_values = flatten(frames.frames, count, name)
+    print(f"{'leaf':<20} {'dtype':<16} {'shape':<14} statistics")
+    for leaf, t in zip(layout.leaves, tensors, strict=True):
+        label = column_label(leaf.path)
+        values = t.values[int(t.offsets[0]) : int(t.offsets[-1])] if isinstance(t, Ragged) else t
+        print(f"{label:<20} {str(leaf.dtype).removeprefix('torch.'):<16} {leaf.dims():<14} {_stats(values)}")
+        if isinstance(t, Ragged):
+            n = t.lengths
+            spread = f"min {int(n.min())}, mean {float(n.double().mean()):.1f}, max {int(n.max())}" if count else "-"
+            print(f"{'':<20} {'':<16} {'':<14} rows per frame {spread}")
+    for path, values in zip(layout.nontensor, json_values, strict=True):
+        kinds = sorted({type(v).__name__ for v in values})
+        distinct = {repr(v) for v in values}
+        examples = ", ".join(sorted(distinct)[:3])
+        label = column_label(path)
+        print(f"{label:<20} {'json':<16} {'':<14} {len(distinct)} distinct ({'/'.join(kinds)}): {examples}")
+    return 0
+
+
+def _stats(t: Any) -> str:
+    """Min / mean / max and NaN count of a tensor's values (of |x| for complex; true count for bool)."""
+    import torch
+
+    if t.numel() == 0:
+        return "no values"
+    if t.dtype == torch.bool:
+        return f"true {int(t.sum())} of {t.numel()}"
+    prefix = ""
+    if t.is_complex():
+        t, prefix = t.resolve_conj().abs(), "|x| "
+    if t.is_floating_point():
+        x = t.double()
+        nan = torch.isnan(x)
+        x = x[~nan]
+        if x.numel() == 0:
+            return f"{prefix}all NaN ({int(nan.sum())})"
+        lo, mean, hi = float(x.min()), float(x.mean()), float(x.max())
+        return f"{prefix}min {lo:.6g}, mean {mean:.6g}, max {hi:.6g}, NaN {int(nan.sum())}"
+    a = t.numpy()  # integers, uint64 included: exact min and max
+    return f"min {a.min()}, mean {float(a.mean(dtype='float64')):.6g}, max {a.max()}, NaN 0"
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    """Write a dataset as Hugging Face ``datasets``: ``save_to_disk`` (Arrow) or Parquet shards."""
+    from ..storage.reader import Dataset
+    from ..storage.views import to_hf
+
+    out = Path(args.out)
+    if out.exists():
+        print(f"tdgather: {str(out)!r} exists; choose a new directory (export-hf never replaces one)", file=sys.stderr)
+        return 1
+    if Path(os.path.realpath(out)).is_relative_to(os.path.realpath(args.path)):
+        print(f"tdgather: {str(out)!r} is inside the dataset {args.path!r}; write it beside", file=sys.stderr)
+        return 1
+    ds = Dataset(args.path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".tdgather-hf-", dir=out.parent) as cache:  # beside OUT, not in ~
+        hf = to_hf(ds, cache_dir=cache, filenames=args.filenames)
+        if args.parquet:
+            written = _write_parquet(hf, out, args.shard_bytes)
+            how = f"datasets.load_dataset('parquet', data_dir={str(out / 'data')!r})"
+        else:
+            hf.save_to_disk(str(out))
+            written = sorted(p for p in out.rglob("*") if p.is_file())
+            how = f"datasets.load_from_disk({str(out)!r})"
+    files = len(set(args.filenames)) if args.filenames else len(ds)
+    print(f"wrote {len(hf)} rows ({files} filenames) to {out}:")
+    for p in written:
+        print(f"  {p.relative_to(out)}  {_size(p.stat().st_size)}")
+    print("columns:")
+    for column, feature in hf.features.items():
+        print(f"  {column}: {feature}")
+    converted = json.loads(hf.info.description)["tdgather"]["converted"]
+    for column, change in converted.items():
+        print(f"  converted {column}: {change} (Arrow has no such type)")
+    print(f"read it with {how}")
+    return 0
+
+
+def _write_parquet(hf: Any, out: Path, shard_bytes: int) -> list[Path]:
+    """Parquet shards as the Hub lays them out: ``data/train-00000-of-0000N.parquet``."""
+    shards = max(1, math.ceil(hf.data.nbytes / shard_bytes))
+    (out / "data").mkdir(parents=True)
+    paths = []
+    for k in range(shards):
+        path = out / "data" / f"train-{k:05d}-of-{shards:05d}.parquet"
+        hf.shard(num_shards=shards, index=k, contiguous=True).to_parquet(str(path))
+        paths.append(path)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    parser = argparse.ArgumentParser(prog="tdgather", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the demo job on a local CPU world and save to --out")
+    demo.add_argument("--world-size", type=_positive, default=4, help="processes (default 4)")
+    demo.add_argument("--videos", type=_positive, default=12, help="synthetic videos (default 12)")
+    demo.add_argument("--max-frames", type=_positive, default=40, help="frames of the longest video (default 40)")
+    demo.add_argument("--size", type=_positive, default=64, help="frame height and width (default 64)")
+    demo.add_argument("--batch", type=_positive, default=16, help="inference batch size (default 16)")
+    demo.add_argument("--out", default="out/demo", help="dataset directory, replaced if present (default out/demo)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--timeout", type=float, default=300.0, help="seconds before the job is stopped")
+    demo.set_defaults(run=_demo)
+    inspect = sub.add_parser("inspect", help="print a saved dataset's filenames, frame counts, shapes and size")
+    inspect.add_argument("path")
+    inspect.add_argument("--limit", type=int, default=50, help="filenames to list (default 50)")
+    inspect.add_argument("--all", action="store_true", help="list every filename")
+    inspect.add_argument("--incomplete", action="store_true", help="what a failed run saved in PATH.partial")
+    inspect.add_argument(
+        "--frames", metavar="FILENAME", help="one filename: its frame indexes (as ranges) and per-leaf statistics"
+    )
+    inspect.set_defaults(run=_inspect)
+    export = sub.add_parser("export-hf", help="write a dataset as Hugging Face datasets (Arrow, or --parquet)")
+    export.add_argument("path", help="the tdgather dataset")
+    export.add_argument("out", help="a new directory to write")
+    export.add_argument(
+        "--parquet", action="store_true", help="Parquet shards in OUT/data (the format to share, e.g. on the Hub)"
+    )
+    export.add_argument(
+        "--shard-bytes", type=_positive, default=500_000_000, help="Parquet bytes per shard (default 500 MB)"
+    )
+    export.add_argument(
+        "--filenames", nargs="+", metavar="FILENAME", help="export only these (filenames whose layouts differ: apart)"
+    )
+    export.set_defaults(run=_export_hf)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # `tdgather inspect ... | head`
+        sys.stderr.close()
+        return 0
+    except (TdgatherError, OSError) as e:
+        print(f"tdgather: {e}", file=sys.stderr)
+        return 1
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
