@@ -12,6 +12,7 @@ __all__ = [
     "CallMismatchError",
     "DatasetError",
     "DuplicateFrameError",
+    "ExportError",
     "FrameConflictError",
     "OutputError",
     "PeerError",
@@ -114,6 +115,10 @@ class DatasetError(TdgatherError, ValueError):
         )
         self.file = file
         self.field = field
+
+
+class ExportError(TdgatherError, ValueError):
+    """A dataset cannot be one table (`Dataset.to_hf`): two filenames disagree on a column, or a name collides."""
 
 
 class CallMismatchError(TdgatherError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -96,6 +95,19 @@ def case_seed(how: str, out: str, duplicates: str = "keep") -> dict | None:
     return {"padding": padding, "exact": d.exact, "inexact": d.inexact, "max_abs_diff": d.max_abs_diff, "worst": worst}
 
 
+class SlowStore(tdgather.FrameStore):
+    """A store whose frames take ``seconds`` to hand over: rank dst busy inside gather after its peers sent."""
+
+    def __init__(self, seconds: float, frames: dict) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.update(frames)
+
+    def parts(self, rank: int):
+        time.sleep(self.seconds)
+        return super().parts(rank)
+
+
 def case_uneven_finish(how: str, busy: str, seconds: float, timeout: float, out: str) -> dict | None:
     """Rank ``busy`` ("dst" or "sender") works ``seconds`` (several timeouts) after the others finished."""
     rank = dist.get_rank()
@@ -109,10 +121,8 @@ def case_uneven_finish(how: str, busy: str, seconds: float, timeout: float, out:
                 time.sleep(seconds)  # a long inference tail
         summary = col.summary
         return {"frames": summary.frames if summary else None, "waited": time.monotonic() - start}
-    if slow and busy == "dst":  # rank dst busy inside gather (a slow merge): its senders wait for the answer
-        g = sys.modules["tdgather.api.gather"]  # the module (tdgather.gather is the function)
-        real = g.Receive._result
-        g.Receive._result = lambda *a, **k: (time.sleep(seconds), real(*a, **k))[1]
+    if slow and busy == "dst":  # rank dst busy inside gather (slow to prepare its own frames): senders wait
+        frames = SlowStore(seconds, frames)
     result = tdgather.gather(frames, timeout=timeout)
     return {"frames": result.stats.frames if result else None, "waited": time.monotonic() - start}
 

@@ -13,7 +13,7 @@ import torch
 import tdgather
 from tdgather.errors import DatasetError, OutputError, ProtocolError
 from tdgather.format.names import INCOMPLETE_NAME
-from tdgather.storage.recovery import Saved, saved
+from tdgather.storage.recovery import Saved, saved_at
 from tdgather.tools.launch import WorldError, run_local_world
 
 from . import resume_cases as rc
@@ -53,7 +53,7 @@ def assert_same_dataset(got: Path, want: Path) -> None:
 
 
 def assert_plain_safetensors_read(got: Path, want: Path) -> None:
-    """Read with safetensors and the index alone, as the README shows: the same frames."""
+    """Read with safetensors and the index alone, as docs/format.md shows: the same frames."""
     a, b = plain_read(got), plain_read(want)
     assert a.keys() == b.keys()
     for name in a:
@@ -95,7 +95,7 @@ def test_rank_dst_killed_while_writing_then_resumed(tmp_path, reference):
         "shard-00002.safetensors",
     ]
     assert INCOMPLETE_NAME not in names and any(".tmp-" in n for n in names)  # killed: no record, half a file
-    assert saved(out).num_frames > 0  # read back from the shards alone
+    assert saved_at(out).num_frames > 0  # read back from the shards alone
     attempt(out, resume=True)
     assert_same_dataset(out, reference)
     a = attempts_of(out)
@@ -105,9 +105,9 @@ def test_rank_dst_killed_while_writing_then_resumed(tmp_path, reference):
 def test_resumed_twice(tmp_path, reference):
     out = tmp_path / "ds"
     attempt(out, resume=True, kill={"rank": 2, "batch": 2})  # resume=True with nothing saved: a fresh run
-    one = saved(out).num_frames
+    one = saved_at(out).num_frames
     attempt(out, resume=True, kill={"rank": 0, "write": 3})
-    two = saved(out).num_frames
+    two = saved_at(out).num_frames
     assert 0 < one < two < 87
     attempt(out, resume=True)
     assert_same_dataset(out, reference)
@@ -225,7 +225,7 @@ def local_run_store(store: tdgather.FrameStore) -> Saved:
 
     with tempfile.TemporaryDirectory() as d:
         tdgather.save(tdgather.gather(store), Path(d) / "ds")
-        return saved(Path(d) / "ds")
+        return saved_at(Path(d) / "ds")
 
 
 def frames_of(k: int) -> dict:
@@ -235,7 +235,7 @@ def frames_of(k: int) -> dict:
 def test_in_one_process_a_failed_run_resumes(tmp_path):
     out = tmp_path / "ds"
     local_run(out, frames_of(2), fail=True)
-    assert saved(out).num_frames == 10
+    assert saved_at(out).num_frames == 10
     col = local_run(out, frames_of(4), resume=True)
     assert col.summary.frames == 20 and sorted(tdgather.open(out)) == [f"f{j}.mp4" for j in range(4)]
     assert [x["frames"] for x in attempts_of(out)] == [10, 10]
@@ -319,7 +319,7 @@ def test_the_lightning_writer_resumes(tmp_path):
 
     with pytest.raises(RuntimeError, match="boom on rank 0"):
         predict(Elementwise(fail_rank=0, fail_batch=3), data)
-    done = saved(out)
+    done = saved_at(out)
     assert done.num_frames == 6
     todo = done.todo(data, key=lambda s: (s["filename"], s["frame_idx"]))
     assert len(todo) == 6

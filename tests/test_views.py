@@ -11,7 +11,8 @@ from tensordict import TensorDictBase
 from torch.utils.data import DataLoader
 
 import tdgather
-from tdgather.storage.views import ExportError, FrameDataset, collate_frames, frame_ranges
+from tdgather.errors import ExportError
+from tdgather.storage.views import FrameDataset, collate_frames, frame_ranges
 from tdgather.storage.writer import DatasetWriter
 
 V1 = Path(__file__).parent / "fixtures" / "v1_dataset"

@@ -221,9 +221,7 @@ class Collector:
         except BaseException as e:
             up.abort(e)
             raise
-        up.on_fail = side._fail
-        if up.failure is not None:
-            side._fail(up.failure)
+        up.follow(side.fail_all)  # the coordinator's failure fails this block too
         return side
 
     def status(self) -> CollectorStatus:

@@ -272,6 +272,12 @@ class Sender(_Side):
         super().put(item)
         self.pending_peak = max(self.pending_peak, self.queue.qsize())
 
+    def follow(self, on_fail: Any) -> None:
+        """A writer's uplink: ``on_fail`` (its Destination's) runs when this stream fails (at once if it has)."""
+        self.on_fail = on_fail
+        if self.failure is not None:
+            on_fail(self.failure)
+
     def fail(self, e: BaseException) -> bool:
         """Record the first failure (True when this one is it); a writer's Destination fails with it."""
         first = super().fail(e)
@@ -500,7 +506,7 @@ class Destination(_Side):
             if kind == "end":
                 open_sources.discard(src)
                 if item is not None:
-                    self._fail(item)
+                    self.fail_all(item)
                 continue
             if self.write_failed:
                 continue  # drain
@@ -513,7 +519,7 @@ class Destination(_Side):
                 self._progress(frames)
             except BaseException as e:
                 self.write_failed = True
-                self._fail(e)
+                self.fail_all(e)
                 continue
             spill.add(parts, buffers, size + _bookkeeping_bytes(parts, frames))
             if spill.nbytes >= self.settings.spill_bytes:
@@ -543,7 +549,7 @@ class Destination(_Side):
                 merged = merge(parts, self.policy, by_reference=True, mismatches=mismatches)
                 self.writer.write(merged, None, mismatches)
             except DuplicateFrameError as e:
-                self._fail(e)
+                self.fail_all(e)
                 self.policy = DuplicatePolicy("keep")
                 self.writer.set_policy(self.policy)
                 merged = merge(parts, self.policy, by_reference=True, mismatches=mismatches)
@@ -551,9 +557,9 @@ class Destination(_Side):
             self.duplicates += merged.duplicates
         except BaseException as e:
             self.write_failed = True
-            self._fail(e)
+            self.fail_all(e)
         for _, error in mismatches.values():
-            self._fail(error)
+            self.fail_all(error)
 
     def _progress(self, frames: int) -> None:
         if self.bar.disable:
@@ -564,7 +570,8 @@ class Destination(_Side):
         self.bar.set_postfix_str(f"{total:.0f} MB, {len(self.writer.shards)} shards {per_rank}", refresh=False)
         self.bar.update(frames)
 
-    def _fail(self, e: BaseException) -> None:
+    def fail_all(self, e: BaseException) -> None:
+        """Fail every stream: record ``e``, answer every sender ``error``, and tell the coordinator (a writer)."""
         if self.fail(e):  # every sender learns at once; one that failed itself, after its frames are saved
             self.answers.answer_all(Kind.ERROR, error_header(e), skip=self.held)
             if self.up is not None:  # and the coordinator, from a writer
@@ -641,7 +648,7 @@ class Destination(_Side):
         ``tdgather.incomplete.json`` (also after a failed write, when it can still be written).
         No index is written.
         """
-        self._fail(exc)
+        self.fail_all(exc)
         if len(self.store) and not self.local_ended:
             self.queue.put(self._chunk(self.store))  # the writer drains the queue, so this returns
             self.store = self._new_store()

@@ -108,8 +108,7 @@ def check_layout(obj: Any, c: Check, field: str) -> Layout:
 
 def check_segment(seg: Any, c: Check, field: str) -> tuple[str, str, int, int]:
     """A segment's ``(shard, group, start, frames)``, each of the right type (`Segment.from_json`)."""
-    segment = Segment.from_json(seg, c, field)
-    return segment.shard, segment.group, segment.start, segment.frames
+    return Segment.check(seg, c, field)
 
 
 @dataclass(frozen=True)
@@ -158,12 +157,10 @@ def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
     ragged_in: set[str] = set()
     for name, entry in c.mapping(index["files"], "files").items():
         f = f"files{key(name)}"
-        file_entry = FileEntry.from_json(entry, c, f)
-        frames = file_entry.frames
+        frames, segments = FileEntry.check(entry, c, f)
         total = 0
-        for i, segment in enumerate(file_entry.segments):
+        for i, (shard, g, start, count) in enumerate(segments):
             sf = f"{f}.segments[{i}]"
-            shard, g, start, count = segment.shard, segment.group, segment.start, segment.frames
             if shard not in shards:
                 raise c.fail(f"{sf}.shard", "a shard listed in 'shards'", shard)
             if (shard, g) not in groups:

@@ -1,4 +1,4 @@
-"""The names of a group's tensors in a shard, by index version.
+"""Names and versions: the dataset's files, the format's versions, and a group's tensors in a shard.
 
 Version 2 names each leaf by its path, so that
 ``safe_open(shard).keys()`` says what is inside: a group ``g0`` of frames

@@ -50,12 +50,17 @@ class Segment:
     @classmethod
     def from_json(cls, obj: Any, c: Any, where: str) -> Segment:
         """A segment read from the index, every field checked (the shard name too: never a path)."""
+        return cls(*cls.check(obj, c, where))
+
+    @staticmethod
+    def check(obj: Any, c: Any, where: str) -> tuple[str, str, int, int]:
+        """`from_json`'s checks alone: ``(shard, group, start, frames)``, no object made (an index lists millions)."""
         c.obj(obj, where, {"shard", "group", "start", "frames"})
         shard = c.str(obj["shard"], f"{where}.shard")
         if not SHARD_NAME.fullmatch(shard):
             raise c.fail(f"{where}.shard", "a shard file name like 'shard-00000.safetensors' (no directory)", shard)
         group = c.str(obj["group"], f"{where}.group")
-        return cls(shard, group, c.int(obj["start"], f"{where}.start"), c.int(obj["frames"], f"{where}.frames"))
+        return shard, group, c.int(obj["start"], f"{where}.start"), c.int(obj["frames"], f"{where}.frames")
 
 
 @dataclass(frozen=True)
@@ -73,10 +78,16 @@ class FileEntry:
     @classmethod
     def from_json(cls, obj: Any, c: Any, where: str) -> FileEntry:
         """A filename's entry read from the index, its frame count and every segment checked."""
+        frames, segments = cls.check(obj, c, where)
+        return cls(frames, tuple(Segment(*s) for s in segments))
+
+    @staticmethod
+    def check(obj: Any, c: Any, where: str) -> tuple[int, list[tuple[str, str, int, int]]]:
+        """`from_json`'s checks alone: the frame count and each segment as `Segment.check` gives it."""
         c.obj(obj, where, {"frames", "segments"})
         listed = c.list(obj["segments"], f"{where}.segments")
-        segments = tuple(Segment.from_json(s, c, f"{where}.segments[{i}]") for i, s in enumerate(listed))
-        return cls(c.int(obj["frames"], f"{where}.frames"), segments)
+        segments = [Segment.check(s, c, f"{where}.segments[{i}]") for i, s in enumerate(listed)]
+        return c.int(obj["frames"], f"{where}.frames"), segments
 
 
 @dataclass(frozen=True)

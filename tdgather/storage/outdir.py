@@ -1,4 +1,4 @@
-"""The output directory: its file names, what may be replaced, the staging directory, publishing, deleting only ours.
+"""The output directory: what may be replaced, the staging directory, publishing, deleting only ours.
 
 Rules (checked by rank dst before any frame moves):
 

@@ -49,7 +49,7 @@ from .combine import resolve
 from .outdir import fsync_dir, staging_of
 from .segments import open_shard
 
-__all__ = ["Saved", "SavedState", "from_shards", "load_state", "new_run", "partial_index", "saved"]
+__all__ = ["Saved", "RunState", "from_shards", "load_state", "new_run", "partial_index", "saved_at"]
 
 _TMP = re.compile(r"\..+\.tmp-\d+")  # a file a killed writer left half-written: never listed anywhere
 
@@ -60,7 +60,7 @@ def new_run() -> str:
 
 
 @dataclass
-class SavedState:
+class RunState:
     """What earlier attempts saved, as rank dst's writer continues from it.
 
     Attributes:
@@ -86,7 +86,7 @@ class SavedState:
         """The number of the attempt that continues from this state."""
         return max((a["attempt"] for a in self.attempts), default=0) + 1
 
-    def saved(self) -> Saved:
+    def to_saved(self) -> Saved:
         """What every rank gets: the frames saved, and each filename's layout."""
         return Saved({name: runs.flatten().tolist() for name, runs in self.written.items()}, self.layouts)
 
@@ -241,7 +241,7 @@ def _ints(c: ProtocolCheck, obj: Any, field: str) -> list[int]:
     return values
 
 
-def saved(path: str | os.PathLike) -> Saved:
+def saved_at(path: str | os.PathLike) -> Saved:
     """What a Collector with ``resume=True`` would find saved at ``path`` (read on this machine).
 
     Use it where rank dst's output is visible (one machine, or a shared filesystem), for example
@@ -249,7 +249,7 @@ def saved(path: str | os.PathLike) -> Saved:
     """
     target = Path(path)
     state = _read(target, staging_of(target), overwrite=True)
-    return state.saved() if state is not None else Saved()
+    return state.to_saved() if state is not None else Saved()
 
 
 def partial_index(staging: Path) -> dict | None:
@@ -284,7 +284,7 @@ def partial_index(staging: Path) -> dict | None:
     }
 
 
-def load_state(target: Path, staging: Path, overwrite: bool) -> SavedState | None:
+def load_state(target: Path, staging: Path, overwrite: bool) -> RunState | None:
     """The state to continue from, with ``staging`` ready to write into; None when nothing is saved.
 
     Sources, in order: a complete dataset in ``staging`` (its move into place was interrupted), the
@@ -310,7 +310,7 @@ def load_state(target: Path, staging: Path, overwrite: bool) -> SavedState | Non
     return state
 
 
-def _read(target: Path, staging: Path, overwrite: bool) -> SavedState | None:
+def _read(target: Path, staging: Path, overwrite: bool) -> RunState | None:
     complete_target = (target / INDEX_NAME).is_file()
     if (staging / INDEX_NAME).is_file():
         if complete_target:
@@ -333,7 +333,7 @@ def _read(target: Path, staging: Path, overwrite: bool) -> SavedState | None:
     return None
 
 
-def _from_index(root: Path) -> SavedState:
+def _from_index(root: Path) -> RunState:
     """A complete dataset's state: its index, checked, and every shard's header."""
     c = Check(root / INDEX_NAME)
     index = load_json((root / INDEX_NAME).read_bytes(), c, "index")
@@ -344,7 +344,7 @@ def _from_index(root: Path) -> SavedState:
     meta = index["metadata"]
     attempts = _attempts(meta, c, "metadata")
     run = meta.get("run") if isinstance(meta.get("run"), str) else new_run()  # older datasets have none
-    state = SavedState(run, index["shards"], index["files"], plan.layouts, attempts=attempts)
+    state = RunState(run, index["shards"], index["files"], plan.layouts, attempts=attempts)
     if not attempts:
         state.attempts = [{"attempt": 1, "frames": sum(s["frames"] for s in state.shards.values()), "failure": None}]
     _read_frames(root, state)
@@ -353,7 +353,7 @@ def _from_index(root: Path) -> SavedState:
 
 def from_shards(
     root: Path, names: list[str], required: bool = True, policy: Any = "keep", frames: bool = True
-) -> SavedState | None:
+) -> RunState | None:
     """A failed attempt's state, from its shards' own records (the incomplete record adds failures).
 
     Copies of one frame in shards of several writers or attempts are resolved by ``policy``
@@ -443,7 +443,7 @@ def from_shards(
     for k in sorted({*frames_of, *recorded}):
         failure = recorded.get(k, {}).get("failure") if k in recorded else _UNRECORDED
         attempts.append({"attempt": k, "frames": frames_of.get(k, 0), "failure": failure})
-    state = SavedState(runs.pop(), shards, files, plan.layouts, attempts=attempts, duplicates=duplicates)
+    state = RunState(runs.pop(), shards, files, plan.layouts, attempts=attempts, duplicates=duplicates)
     if frames:
         _read_frames(root, state)
     return state
@@ -493,7 +493,7 @@ def _attempts(meta: dict, c: Check, field: str) -> list[dict]:
     return [Attempt.from_json(a, c, f"{field}.attempts[{i}]").to_json() for i, a in enumerate(listed)]
 
 
-def _read_frames(root: Path, state: SavedState) -> None:
+def _read_frames(root: Path, state: RunState) -> None:
     """Fill ``state.written`` from each segment's frame_idx (each shard opened once), checking their order."""
     by_shard: dict[str, list[tuple[str, dict]]] = {}
     for name, entry in state.files.items():

@@ -29,7 +29,7 @@ import torch.utils.data
 from ..core.dtypes import dtype_name
 from ..core.frames import Layout, flatten, rebuild_one
 from ..core.ragged import Ragged
-from ..errors import DatasetError, TdgatherError
+from ..errors import DatasetError, ExportError, TdgatherError
 from ..format.check import key
 from ..format.names import escape_key
 from .segments import read_rows
@@ -37,7 +37,7 @@ from .segments import read_rows
 if TYPE_CHECKING:  # the reader makes these views of itself (Dataset.per_frame, Dataset.to_hf)
     from .reader import Dataset
 
-__all__ = ["ExportError", "FrameDataset", "collate_frames", "column_label", "frame_ranges", "hf_features", "to_hf"]
+__all__ = ["FrameDataset", "collate_frames", "column_label", "frame_ranges", "hf_features", "to_hf"]
 
 TENSOR_COLUMN = "frames"  # the column of a filename whose frames are plain tensors (no keys)
 _RESERVED = ("filename", "frame_idx")
@@ -46,8 +46,6 @@ _WIDENED = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.fl
 _MAX_ARRAY_DIMS = 5  # datasets has Array2D .. Array5D
 
 
-class ExportError(TdgatherError, ValueError):
-    """A dataset cannot be shown as one table: two filenames disagree on a column, or a name collides."""
 
 
 def _frame_idx_only(layout: Layout) -> Layout:

@@ -1,6 +1,6 @@
-"""Stage 5, the sink: sharded safetensors plus a JSON index, atomic and durable.
+"""Stage 5, `DatasetWriter`: the filesystem `Sink`, sharded safetensors plus a JSON index, atomic and durable.
 
-Layout of a dataset directory (documented in the README)::
+Layout of a dataset directory (docs/format.md has it whole, for readers with safetensors alone)::
 
     out/epoch_3/
         shard-00000.safetensors       # valid safetensors: readable with safetensors alone
@@ -59,7 +59,7 @@ from ..format.records import Attempt, Failure, IndexMeta, ShardRecord
 from .atomic import LocalFS
 from .catalog import UNKNOWN, Catalog
 from .outdir import check_output, lock_dir, publish, remove_ours, staging_of
-from .recovery import SavedState, from_shards, load_state, new_run
+from .recovery import RunState, from_shards, load_state, new_run
 from .segments import cat_columns, read_segment
 
 __all__ = ["DEFAULT_SHARD_BYTES", "DatasetWriter"]
@@ -118,7 +118,7 @@ class DatasetWriter:
                     "ranks_per_writer, every writer writes into one output directory, on a filesystem all of them "
                     "share (or use one Collector per node, each with its own path)"
                 )
-            state = SavedState(part[0])
+            state = RunState(part[0])
             existing = [n for n in os.listdir(self.staging) if SHARD_NAME.fullmatch(n)]
         else:
             self.target = check_output(path, overwrite, resume)
@@ -128,7 +128,7 @@ class DatasetWriter:
         # resuming a complete dataset replaces it with one that holds all its frames
         self.overwrite = overwrite or (resume and (self.target / INDEX_NAME).is_file())
         self.run, self.attempts, self.attempt = state.run, state.attempts, part[1] if part else state.attempt
-        self.saved = state.saved()  # what earlier attempts saved, as every rank gets it
+        self.saved = state.to_saved()  # what earlier attempts saved, as every rank gets it
         self.shards: dict[str, dict] = state.shards
         self.catalog = Catalog()  # per filename: layout, frames written (as runs), segments, senders
         self.catalog.load(state.files, state.layouts, state.written)
@@ -139,7 +139,7 @@ class DatasetWriter:
         self._syncing: list[tuple[str, Future]] = []
         self._failed: list[str] = []  # shards whose last step failed: never listed
 
-    def _open_staging(self, overwrite: bool, resume: bool) -> SavedState:
+    def _open_staging(self, overwrite: bool, resume: bool) -> RunState:
         """Lock ``<path>.partial`` (no other job writes there now); what it holds to continue from, or a fresh one."""
         self._lock = lock_dir(self.staging) if self.staging.is_dir() else None
         try:
@@ -148,7 +148,7 @@ class DatasetWriter:
                 remove_ours(self.staging)  # check_output allowed only tdgather's own files there
                 self.staging.mkdir()
                 self._unlock()  # the removed directory's
-                state = SavedState(new_run())
+                state = RunState(new_run())
             if self._lock is None:  # a new staging directory (fresh, or made from a complete dataset)
                 self._lock = lock_dir(self.staging)
         except BaseException:
