@@ -48,7 +48,16 @@ from ..dist.transport import Call, as_timeout, begin_call, resolve_dst, transpor
 from ..storage.recovery import Saved
 from ..storage.sink import SinkFactory
 from ..storage.writer import DEFAULT_SHARD_BYTES
-from .streams import CollectorStatus, CollectorSummary, Destination, Sender, Settings
+from .streams import (
+    BlockWriter,
+    CollectorStatus,
+    CollectorSummary,
+    Coordinator,
+    Destination,
+    Sender,
+    Settings,
+    Uplink,
+)
 from .terminate import SigtermAsExit
 
 __all__ = ["Collector", "CollectorStatus", "CollectorSummary"]
@@ -212,17 +221,15 @@ class Collector:
         if rank == self.dst:
             writers = {w: w // k for w in range(0, world, k) if w != rank}
             peers = sorted({*block, *writers})
-            return Destination(replace(settings, peers=len(peers)), self._call, rank, peers, rank // k, writers)
+            return Coordinator(replace(settings, peers=len(peers)), self._call, rank, peers, rank // k, writers)
         if rank % k:
             return Sender(replace(settings, dst=rank - rank % k), self._call)
-        up = Sender(replace(settings, peers=1), self._call, relay=True)  # waits for the coordinator's ready
+        up = Uplink(replace(settings, peers=1), self._call)  # waits for the coordinator's ready
         try:
-            side = Destination(replace(settings, dst=rank, peers=len(block)), self._call, rank, block, rank // k, up=up)
+            return BlockWriter(replace(settings, dst=rank, peers=len(block)), self._call, rank, block, rank // k, up)
         except BaseException as e:
             up.abort(e)
             raise
-        up.follow(side.fail_all)  # the coordinator's failure fails this block too
-        return side
 
     def status(self) -> CollectorStatus:
         """A snapshot of this rank's progress: frames received and shards written (rank dst), or back-pressure."""

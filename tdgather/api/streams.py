@@ -41,7 +41,16 @@ from ..storage.recovery import Saved
 from ..storage.sink import SinkFactory
 from ..storage.writer import DatasetWriter
 
-__all__ = ["CollectorStatus", "CollectorSummary", "Destination", "Sender", "Settings"]
+__all__ = [
+    "BlockWriter",
+    "CollectorStatus",
+    "CollectorSummary",
+    "Coordinator",
+    "Destination",
+    "Sender",
+    "Settings",
+    "Uplink",
+]
 
 _POLL = 0.1  # seconds between the send thread's looks at dst's answer while idle
 _AFTER_ANSWER = 5.0  # seconds a sender still waits for its sends once dst has answered
@@ -238,19 +247,18 @@ class _Side:
 class Sender(_Side):
     """A rank other than dst: 1. wait for dst's ready, 2. send chunks behind the loop, 3. done or error.
 
-    With ``relay``, a writer's stream to the coordinator (`tdgather.format.parts`): no frames, only
-    heartbeats while its block runs, then ``done`` with its part; it ends with ``error`` as soon as
-    the writer fails.
+    `Uplink` is a block writer's stream to the coordinator.
     """
 
-    def __init__(self, settings: Settings, call: Call, relay: bool = False) -> None:
+    relay = False  # a stream that carries no frames (`Uplink`)
+
+    def __init__(self, settings: Settings, call: Call) -> None:
         super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy)
         self.timeout, self.dst = settings.timeout, settings.dst
         self.ch = call.channel(settings.dst)  # its send and receive sequences are independent
         self.heartbeat = heartbeat_interval(self.timeout)
         self.frames = 0
         self.pending_peak = 0
-        self.relay = relay
         self.on_fail: Any = None  # a writer's: its own Destination fails with it
         self.done: dict = {}  # what ``done`` carries besides the frames: a writer's part
         ready = self.ch.recv_answer()  # 1. rank dst says whether the output can be written
@@ -384,26 +392,25 @@ class Sender(_Side):
                     return
 
 
-class Destination(_Side):
-    """Rank dst: 1. check the output and answer ready, 2. receive and write within the budget, 3. index.
+class Uplink(Sender):
+    """A block writer's stream to the coordinator: no frames, only heartbeats, then ``done`` with its part.
 
-    With several writers (`tdgather.format.parts`), rank dst is the coordinator: ``writers`` maps the
-    peers that are writers to their numbers; they send no frames, only their part at the end, and
-    the index covers every writer's shards. Another writer is a Destination for its own block,
-    with ``up``, its relay `Sender` to the coordinator: it writes its part and answers its peers
-    only once the coordinator has answered it.
+    It ends with ``error`` as soon as the writer fails (`tdgather.format.parts` checks the part).
     """
 
-    def __init__(
-        self,
-        settings: Settings,
-        call: Call | None,
-        rank: int,
-        peers: list[int],
-        writer: int | None = None,
-        writers: Mapping[int, int] | None = None,
-        up: Sender | None = None,
-    ) -> None:
+    relay = True
+
+
+class Destination(_Side):
+    """Rank dst, the one writer: 1. check the output, answer ready, 2. receive and write, 3. index.
+
+    With several writers (``ranks_per_writer``) the roles are its subclasses: `Coordinator` (rank
+    dst, which writes the one index) and `BlockWriter` (every other block's first rank).
+    """
+
+    writer_number: int | None = None  # numbers this writer's shards (several writers)
+
+    def __init__(self, settings: Settings, call: Call | None, rank: int, peers: list[int]) -> None:
         super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy)
         _return_freed_memory()
         col = self.settings = settings
@@ -420,26 +427,14 @@ class Destination(_Side):
         self.held: set[int] = set()
         self.duplicates = DuplicateCounts()  # dropped within spills; the writer counts those against the disk
         self.pool = BufferPool(col.pool_bytes)  # received buffers, reused within the budget
-        self.writers, self.up, self.parts = dict(writers or {}), up, {}
         try:
-            self.writer = (col.sink or DatasetWriter)(
-                col.path,
-                overwrite=col.overwrite,
-                max_shard_bytes=col.max_shard_bytes,
-                duplicates=self.policy,
-                resume=col.resume and up is None,
-                writer=writer,
-                part=up.run if up is not None else None,
-            )
+            self.writer = self._make_sink()
         except BaseException as e:
             self.answers.answer_all(Kind.ERROR, error_header(e))
             raise
-        self.saved = self.writer.saved if up is None else up.saved
+        self.saved = self._saved()
         self.store = self._new_store()
-        ready: dict[str, Any] = {"frames": 0, "saved": self.saved.to_wire()} if self.saved else {"frames": 0}
-        if self.writers:  # the writers write shards of this run and attempt
-            ready["run"] = {"id": self.writer.run, "attempt": self.writer.attempt}
-        late = self.answers.send_all(Kind.DONE, ready)  # 1. ready, with what a resumed run saved
+        late = self.answers.send_all(Kind.DONE, self._ready())  # 1. ready, with what a resumed run saved
         if late:  # its pair timed out, and gloo closes them all: name it, rather than let the others blame us
             waited, limit = time.perf_counter() - self.start, col.timeout.total_seconds()
             why = (
@@ -465,6 +460,31 @@ class Destination(_Side):
         for t in [*self.receivers, self.writer_thread]:
             t.start()
 
+    def _make_sink(self, **role: Any) -> Any:
+        col = self.settings
+        return (col.sink or DatasetWriter)(
+            col.path,
+            overwrite=col.overwrite,
+            max_shard_bytes=col.max_shard_bytes,
+            duplicates=self.policy,
+            writer=self.writer_number,
+            **({"resume": col.resume} | role),
+        )
+
+    def _saved(self) -> Saved:
+        """What earlier attempts saved, as every rank of its block gets it."""
+        return self.writer.saved
+
+    def _ready(self) -> dict[str, Any]:
+        """The ready answer: the output can be written, and what a resumed run saved."""
+        return {"frames": 0, "saved": self.saved.to_wire()} if self.saved else {"frames": 0}
+
+    def _end_of(self, peer: int, msg: Any) -> None:
+        """A peer's ``done`` (a plain sender's carries nothing more)."""
+
+    def _check_frames(self, peer: int, msg: Any) -> None:
+        """A peer's data message, before its frames are read (any peer may send frames)."""
+
     @property
     def all_duplicates(self) -> DuplicateCounts:
         """Copies dropped: in the merges, and against shards already written."""
@@ -480,11 +500,9 @@ class Destination(_Side):
                 msg = ch.recv()
                 if msg.kind != Kind.DATA:
                     expect_done(ch, msg, frames)
-                    if peer in self.writers:
-                        self.parts[peer] = check_part(msg.header.get("part"), peer, self.writers[peer])
+                    self._end_of(peer, msg)
                     break
-                if msg.header.groups and peer in self.writers:
-                    raise ProtocolError(peer, "header.groups", "none: a writer sends its part, not frames")
+                self._check_frames(peer, msg)
                 if msg.header.groups:  # after a failure too: what arrives is still written
                     taken: list = []
                     parts = read_frames(ch, msg, functools.partial(self.pool.take, into=taken))
@@ -570,12 +588,12 @@ class Destination(_Side):
         self.bar.set_postfix_str(f"{total:.0f} MB, {len(self.writer.shards)} shards {per_rank}", refresh=False)
         self.bar.update(frames)
 
-    def fail_all(self, e: BaseException) -> None:
-        """Fail every stream: record ``e``, answer every sender ``error``, and tell the coordinator (a writer)."""
-        if self.fail(e):  # every sender learns at once; one that failed itself, after its frames are saved
+    def fail_all(self, e: BaseException) -> bool:
+        """Fail every stream: record ``e`` and answer every sender ``error``; True when ``e`` is the first failure."""
+        first = self.fail(e)
+        if first:  # every sender learns at once; one that failed itself, after its frames are saved
             self.answers.answer_all(Kind.ERROR, error_header(e), skip=self.held)
-            if self.up is not None:  # and the coordinator, from a writer
-                self.up.fail(e)
+        return first
 
     def status(self) -> CollectorStatus:
         """Rank dst's (or a writer's) progress."""
@@ -597,20 +615,18 @@ class Destination(_Side):
         self.bar.close()
         self.check()
         combining = time.perf_counter()
-        if self.writers:
-            self._combine()
+        self._combine()
         combined = time.perf_counter() - combining
         dups = self.all_duplicates
         meta = {USER_KEY: self.settings.metadata, "duplicates_dropped": dups.dropped, "duplicates": dups.to_json()}
         self.writer.commit(meta)
-        if self.up is not None:  # a writer: its part to the coordinator, and the answer back to its peers
-            frames_per_rank = [[r, n] for r, n in self.received.items()]
-            self.up.close(
-                part={"shards": self.writer.report(), "frames_per_rank": frames_per_rank, "duplicates": dups.to_json()}
-            )
-            self.answers.answer_all(Kind.DONE, {"frames": self.up.answer.header["frames"]})
-            self.answers.stop()
-            return None
+        return self._answer_done(dups, closing, combined)
+
+    def _combine(self) -> None:
+        """Before the commit: nothing, with one writer (`Coordinator` reads the others' shards here)."""
+
+    def _answer_done(self, dups: DuplicateCounts, closing: float, combined: float) -> CollectorSummary | None:
+        """Once committed: answer every peer ``done``; return the summary."""
         self.answers.answer_all(Kind.DONE, {"frames": self.writer.frames})
         self.answers.stop()
         end = time.perf_counter()
@@ -626,14 +642,6 @@ class Destination(_Side):
             duplicates=dups,
             combine_seconds=combined,
         )
-
-    def _combine(self) -> None:
-        """The coordinator: every writer's shards into the index, copies across writers resolved."""
-        self.duplicates += self.writer.combine({self.writers[p]: part["shards"] for p, part in self.parts.items()})
-        for part in self.parts.values():
-            self.duplicates += counts_of(part["duplicates"])
-            self.received.update((r, n) for r, n in part["frames_per_rank"])
-        self.received = dict(sorted(self.received.items()))
 
     def _end_local(self) -> None:
         if not self.local_ended:
@@ -670,5 +678,82 @@ class Destination(_Side):
         finally:
             self.answers.answer_all(Kind.ERROR, error_header(self.failure))  # the held peers: saved now
             self.answers.stop()
-            if self.up is not None:
-                self.up.abort(self.failure)
+
+
+class Coordinator(Destination):
+    """Rank dst with several writers: the first writer's block, plus the other writers as peers.
+
+    ``writers`` maps the peers that are writers to their numbers: they send no frames, only their
+    part at the end (checked as any header), and the index covers every writer's shards.
+    """
+
+    def __init__(
+        self, settings: Settings, call: Call, rank: int, peers: list[int], number: int, writers: Mapping[int, int]
+    ) -> None:
+        self.writer_number, self.writers, self.parts = number, dict(writers), {}
+        super().__init__(settings, call, rank, peers)
+
+    def _ready(self) -> dict[str, Any]:
+        """The ready answer, with the run and attempt the writers write shards of."""
+        return {**super()._ready(), "run": {"id": self.writer.run, "attempt": self.writer.attempt}}
+
+    def _end_of(self, peer: int, msg: Any) -> None:
+        """A writer's ``done`` carries its part."""
+        if peer in self.writers:
+            self.parts[peer] = check_part(msg.header.get("part"), peer, self.writers[peer])
+
+    def _check_frames(self, peer: int, msg: Any) -> None:
+        """A writer sends no frames."""
+        if msg.header.groups and peer in self.writers:
+            raise ProtocolError(peer, "header.groups", "none: a writer sends its part, not frames")
+
+    def _combine(self) -> None:
+        """Every writer's shards into the index, copies across writers resolved."""
+        self.duplicates += self.writer.combine({self.writers[p]: part["shards"] for p, part in self.parts.items()})
+        for part in self.parts.values():
+            self.duplicates += counts_of(part["duplicates"])
+            self.received.update((r, n) for r, n in part["frames_per_rank"])
+        self.received = dict(sorted(self.received.items()))
+
+
+class BlockWriter(Destination):
+    """A block's first rank, not rank dst: it writes its block's frames as shards of its own.
+
+    ``up`` is its `Uplink` to the coordinator, which gave it the run and attempt. It answers its
+    peers only once the coordinator has answered it, so that every rank ends with one outcome.
+    """
+
+    def __init__(self, settings: Settings, call: Call, rank: int, peers: list[int], number: int, up: Uplink) -> None:
+        self.writer_number, self.up = number, up
+        super().__init__(settings, call, rank, peers)
+        up.follow(self.fail_all)  # the coordinator's failure fails this block too
+
+    def _make_sink(self, **role: Any) -> Any:
+        return super()._make_sink(resume=False, part=self.up.run)
+
+    def _saved(self) -> Saved:
+        """What the coordinator said was saved."""
+        return self.up.saved
+
+    def fail_all(self, e: BaseException) -> bool:
+        """Fail every stream of the block, and the uplink (the coordinator learns)."""
+        first = super().fail_all(e)
+        if first:
+            self.up.fail(e)
+        return first
+
+    def _answer_done(self, dups: DuplicateCounts, closing: float, combined: float) -> None:
+        """Its part to the coordinator, then the coordinator's answer to its peers."""
+        frames_per_rank = [[r, n] for r, n in self.received.items()]
+        self.up.close(
+            part={"shards": self.writer.report(), "frames_per_rank": frames_per_rank, "duplicates": dups.to_json()}
+        )
+        self.answers.answer_all(Kind.DONE, {"frames": self.up.answer.header["frames"]})
+        self.answers.stop()
+
+    def abort(self, exc: BaseException) -> None:
+        """As rank dst aborts, then the uplink ends with the error."""
+        try:
+            super().abort(exc)
+        finally:
+            self.up.abort(self.failure)
