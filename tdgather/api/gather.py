@@ -68,6 +68,9 @@ class GatherStats:
         frames_per_rank: frames each rank sent.
         seconds: the call's duration on rank ``dst``.
         duplicates: the copies dropped, exact and inexact, with the largest absolute difference.
+        pieces: payload pieces received from the peers.
+        early_pieces: of them, those received before rank ``dst`` knew every row's place (into
+            buffers of their own, scattered once it did): the transfer overlapping the placement.
     """
 
     frames: int
@@ -76,6 +79,8 @@ class GatherStats:
     frames_per_rank: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
     duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
+    pieces: int = 0
+    early_pieces: int = 0
 
 
 class Gathered(Mapping[str, Frames]):
@@ -163,7 +168,7 @@ def gather(
     dst = resolve_dst(group, dst, group_dst)  # from here on, a rank of the group
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         with collection_paused():
-            return Receive(predictions, 0, {}, policy, start, ragged=ragged).local()
+            return _Receive(predictions, 0, {}, policy, start, ragged=ragged).local()
     pg = transport_group(group)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     call = begin_call(pg, "gather", dst, wait)
@@ -176,7 +181,7 @@ def gather(
         try:
             grace = wait.total_seconds() / 2
             with collection_paused():
-                return Receive(predictions, rank, channels, policy, start, grace, ragged).run(answers)
+                return _Receive(predictions, rank, channels, policy, start, grace, ragged).run(answers)
         finally:
             answers.stop()
     finally:
@@ -211,7 +216,7 @@ def _send(predictions: Any, ch: Channel, ragged: Any = ()) -> None:
         raise peer_error(ch.peer, answer.header)
 
 
-class Receive:
+class _Receive:
     """Rank dst's side of one gather: read the frame indexes, place, land the pieces, answer."""
 
     def __init__(
@@ -243,6 +248,8 @@ class Receive:
         # of this rank) cannot cost the others' frames
         self.grace = grace
         self.late = False
+        self.pieces = [0, 0]  # received, and of them early (before the placement): `GatherStats`
+        self.counting = threading.Lock()
 
     def local(self) -> Gathered:
         """No peers: place and merge rank dst's own frames."""
@@ -373,6 +380,8 @@ class Receive:
             frames_per_rank=per_rank,
             seconds=time.perf_counter() - self.start,
             duplicates=found,
+            pieces=self.pieces[0],
+            early_pieces=self.pieces[1],
         )
         return Gathered(groups, stats)
 
@@ -387,7 +396,7 @@ class Landing:
 
     EARLY_BYTES = 32 << 20
 
-    def __init__(self, receive: Receive, peer: int, header: DataHeader) -> None:
+    def __init__(self, receive: _Receive, peer: int, header: DataHeader) -> None:
         self.receive, self.peer = receive, peer
         self.parts = receive.parts[peer]
         # the rows of a group count as landed with their last leaf that has pieces
@@ -396,6 +405,7 @@ class Landing:
         self.turn = 0
         self.early: list[tuple[int, int, int, int, torch.Tensor]] = []
         self.early_bytes = 0
+        self.pieces, self.early_pieces = 0, 0
         self.started = False
         self.ends: dict[int, torch.Tensor] = {}  # group -> where each frame's rows end in its last leaf (ragged)
 
@@ -417,6 +427,9 @@ class Landing:
             self._start()
         if not last_whole and self.early:
             self.early.pop()
+        with self.receive.counting:
+            self.receive.pieces[0] += self.pieces
+            self.receive.pieces[1] += self.early_pieces
         if not self.receive.discard:
             for g, j, first, rows, into in self.early:
                 self._land_rows(g, j, first, rows, into)
@@ -450,11 +463,13 @@ class Landing:
     def land(self, g: int, j: int, first: int, rows: int) -> tuple[torch.Tensor, Any]:
         leaf = self.parts[g].layout.leaves[j]
         nbytes = rows * leaf.row_nbytes
+        self.pieces += 1
         if not self.started:
             if not self.receive.placed.is_set() and self.early_bytes + nbytes <= self.EARLY_BYTES:
                 into = torch.empty(nbytes, dtype=torch.uint8)
                 self.early.append((g, j, first, rows, into))
                 self.early_bytes += nbytes
+                self.early_pieces += 1
                 return into, None
             self.receive.placed.wait()
             self._start()
