@@ -1,5 +1,6 @@
 """Rank functions for `dst` / `group_dst` (torch's convention), run in real gloo worlds by test_dst.py."""
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -21,6 +22,11 @@ def case_gather_in_a_subgroup(how: dict) -> dict:
     if rank not in (1, 3):
         return {"member": False}
     preds = {f"from_{rank}.mp4": (0, torch.full((2,), float(rank)))}
+
+    how = dict(how)
+    if "dst_as" in how:  # the forms a user holds: a numpy integer, a LongTensor element
+        kind = how.pop("dst_as")
+        how["dst"] = np.int64(how["dst"]) if kind == "numpy" else torch.tensor(how["dst"])
 
     def call() -> list | None:
         result = tdgather.gather(preds, group=group, timeout=60, **how)

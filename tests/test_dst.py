@@ -20,6 +20,12 @@ def test_dst_is_a_global_rank_in_a_subgroup():
     assert out[1]["value"] == FROM_BOTH and out[3]["value"] is None  # global rank 1, not group rank 1 (global 3)
 
 
+@pytest.mark.parametrize("kind", ["numpy", "tensor"])
+def test_dst_may_be_a_numpy_or_tensor_integer(kind):
+    out = run_local_world(dc.case_gather_in_a_subgroup, 4, {"dst": 3, "dst_as": kind}, timeout=120)
+    assert out[3]["value"] == FROM_BOTH and out[1]["value"] is None
+
+
 def test_group_dst_is_a_rank_within_the_group():
     out = run_local_world(dc.case_gather_in_a_subgroup, 4, {"group_dst": 1}, timeout=120)
     assert out[3]["value"] == FROM_BOTH and out[1]["value"] is None
@@ -30,6 +36,8 @@ def test_group_dst_is_a_rank_within_the_group():
     [
         ({"dst": 2}, r"global rank 2 is not in the group, whose global ranks are \[1, 3\]"),
         ({}, r"global rank 0 \(the default, as in torch.distributed\) is not in the group.*group_dst="),
+        ({"dst": 0}, r"dst: global rank 0 is not in the group, whose global ranks are \[1, 3\]"),
+        ({"dst": 1.0}, r"dst: expected an integer rank, got float 1.0"),
         ({"group_dst": 2}, r"group_dst: expected a rank within the group, 0..1 \(global ranks \[1, 3\]\), got 2"),
         ({"dst": 1, "group_dst": 0}, r"pass one of them"),
     ],

@@ -25,3 +25,7 @@ def test_at_selects_by_frame_idx_on_a_saved_subsampled_clip_with_ragged_leaves(t
         clip.at(3)
     with pytest.raises(TypeError, match="expected an integer, got float"):
         clip.at(5.0)
+    with pytest.raises(TypeError, match="expected an integer, got Tensor"):
+        clip.at(torch.tensor(10.0))
+    with pytest.raises(KeyError, match=r"frame_idx 1180591620717411303424: no such frame"):
+        clip.at(2**70)

@@ -1,5 +1,7 @@
 """The user's metadata= is the user's: its own namespace in the index, checked up front on every rank."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -30,7 +32,8 @@ def test_save_keeps_user_keys_that_tdgather_also_uses(tmp_path):
 )
 def test_bad_metadata_is_refused_before_any_work_naming_the_key(tmp_path, metadata, match):
     with pytest.raises((TypeError, ValueError), match=match):
-        tdgather.Collector(tmp_path / "ds", metadata=metadata)
+        with tdgather.Collector(tmp_path / "ds", metadata=metadata):  # refused when it opens
+            pass
     with pytest.raises((TypeError, ValueError), match=match):
         tdgather.save(tdgather.gather({"a": (0, torch.ones(1))}), tmp_path / "ds", metadata=metadata)
     assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.partial").exists()
@@ -49,12 +52,17 @@ def case_collector_metadata(out: str, fail: bool) -> dict:
     return {}
 
 
-def case_bad_metadata(out: str) -> dict:
+def case_bad_metadata(out: str, bad_on: list[int]) -> dict:
+    """Ranks ``bad_on`` pass metadata JSON cannot hold; only rank dst's is stored, and checked."""
+    rank = dist.get_rank()
+    meta = {"lr": np.zeros(2)} if rank in bad_on else {"lr": 0.1}
+    start = time.monotonic()
     try:
-        tdgather.Collector(out, metadata={"lr": np.zeros(2)})
-    except TypeError as e:
-        return {"error": str(e)}
-    return {}
+        with tdgather.Collector(out, metadata=meta, timeout=60, progress=False) as col:
+            col.add([f"r{rank}.mp4"], [0], torch.ones(1, 2))
+    except (TypeError, tdgather.PeerError) as e:
+        return {"type": type(e).__name__, "error": str(e), "seconds": time.monotonic() - start}
+    return {"type": None, "seconds": time.monotonic() - start}
 
 
 @pytest.mark.world
@@ -69,7 +77,16 @@ def test_a_collector_stores_numpy_scalars_as_users_expect_complete_or_not(tmp_pa
 
 
 @pytest.mark.world
-def test_bad_metadata_fails_on_every_rank_before_the_collector_opens(tmp_path):
-    out = run_local_world(case_bad_metadata, 2, str(tmp_path / "ds"), timeout=120)
+def test_bad_metadata_on_rank_dst_fails_every_rank_when_it_opens(tmp_path):
+    out = run_local_world(case_bad_metadata, 2, str(tmp_path / "ds"), [0], timeout=120)
+    assert [r["type"] for r in out] == ["TypeError", "PeerError"], out
     assert all("metadata['lr']" in r["error"] and "numpy.ndarray" in r["error"] for r in out), out
-    assert not (tmp_path / "ds").exists()
+    assert all(r["seconds"] < 30 for r in out), out  # at the `with` line, not after the 60 s timeout
+    assert not (tmp_path / "ds").exists() and not (tmp_path / "ds.partial").exists()
+
+
+@pytest.mark.world
+def test_metadata_of_other_ranks_is_not_stored_nor_checked(tmp_path):
+    out = run_local_world(case_bad_metadata, 2, str(tmp_path / "ds"), [1], timeout=120)
+    assert [r["type"] for r in out] == [None, None], out
+    assert tdgather.open(tmp_path / "ds").metadata["user"] == {"lr": 0.1}  # rank dst's

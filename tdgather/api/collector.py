@@ -43,7 +43,6 @@ from typing import Any
 import torch.distributed as dist
 
 from ..core.duplicates import DuplicatePolicy
-from ..core.metadata import user_metadata
 from ..dist.transport import Call, as_timeout, begin_call, resolve_dst, transport_group
 from ..storage.recovery import Saved
 from ..storage.sink import SinkFactory
@@ -94,7 +93,9 @@ class Collector:
         progress: a progress bar on rank ``dst``; default: only when stderr is a terminal.
         log_summary: log the summary (logger ``"tdgather"``) when closing.
         metadata: your JSON values (numpy scalars are converted), stored in the index as
-            ``metadata["user"]``, beside tdgather's own keys, which never replace yours.
+            ``metadata["user"]``, beside tdgather's own keys, which never replace yours. Rank
+            ``dst``'s is the one stored; it checks it when the Collector opens, and a value JSON
+            cannot hold fails every rank there, naming its key.
         resume: continue a run that failed (or finished): keep what ``<path>.partial`` (or ``path``)
             holds, give every rank ``saved`` to skip it, drop frames sent again by the duplicates
             policy, and record each attempt in the index. Nothing saved: a fresh run.
@@ -144,7 +145,7 @@ class Collector:
         self.timeout = as_timeout(timeout)
         self.overwrite, self.memory_budget, self.max_pending = overwrite, memory_budget, max_pending
         self.resume = resume
-        self.metadata = user_metadata(metadata)  # on every rank, before any work: a bad value names its key
+        self.metadata = metadata  # rank dst checks it at open (`user_metadata`) and stores it
         self.max_shard_bytes, self.progress, self.log_summary = max_shard_bytes, progress, log_summary
         self.duplicates, self.copy = DuplicatePolicy.of(duplicates), copy
         if ranks_per_writer is not None and (type(ranks_per_writer) is not int or ranks_per_writer < 1):

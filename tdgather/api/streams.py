@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from ..core.duplicates import DuplicateCounts, DuplicatePolicy
 from ..core.merge import merge
-from ..core.metadata import USER_KEY
+from ..core.metadata import USER_KEY, user_metadata
 from ..core.plan import Mismatches
 from ..core.pool import BufferPool
 from ..core.store import FrameStore
@@ -428,6 +428,7 @@ class Destination(_Side):
         self.duplicates = DuplicateCounts()  # dropped within spills; the writer counts those against the disk
         self.pool = BufferPool(col.pool_bytes)  # received buffers, reused within the budget
         try:
+            self.user_metadata = user_metadata(col.metadata)  # before any file: a bad value fails every rank now
             self.writer = self._make_sink()
         except BaseException as e:
             self.answers.answer_all(Kind.ERROR, error_header(e))
@@ -618,7 +619,7 @@ class Destination(_Side):
         self._combine()
         combined = time.perf_counter() - combining
         dups = self.all_duplicates
-        meta = {USER_KEY: self.settings.metadata, "duplicates_dropped": dups.dropped, "duplicates": dups.to_json()}
+        meta = {USER_KEY: self.user_metadata, "duplicates_dropped": dups.dropped, "duplicates": dups.to_json()}
         self.writer.commit(meta)
         return self._answer_done(dups, closing, combined)
 
@@ -667,7 +668,7 @@ class Destination(_Side):
         self.bar.close()
         dups = self.all_duplicates
         meta = {
-            USER_KEY: self.settings.metadata,
+            USER_KEY: self.user_metadata,
             "frames_per_rank": self.received,
             "duplicates_dropped": dups.dropped,
             "duplicates": dups.to_json(),

@@ -72,11 +72,16 @@ class Frames:
             KeyError: no frame has that index (the message gives the range held).
             TypeError: ``frame_idx`` is not an integer (a float is never truncated).
         """
-        if isinstance(frame_idx, bool) or not hasattr(frame_idx, "__index__"):
-            raise TypeError(f"frame_idx: expected an integer, got {type(frame_idx).__name__} {frame_idx!r}")
-        want = operator.index(frame_idx)
-        row = int(torch.searchsorted(self.frame_idx, torch.tensor(want, dtype=self.frame_idx.dtype)))
-        if row >= self.frame_idx.numel() or int(self.frame_idx[row]) != want:
+        try:
+            if isinstance(frame_idx, bool):
+                raise TypeError
+            want = operator.index(frame_idx)
+        except TypeError:
+            raise TypeError(f"frame_idx: expected an integer, got {type(frame_idx).__name__} {frame_idx!r}") from None
+        row = -1
+        if -(2**63) <= want < 2**63:  # else no int64 frame index can be it
+            row = int(torch.searchsorted(self.frame_idx, torch.tensor(want, dtype=self.frame_idx.dtype)))
+        if not 0 <= row < self.frame_idx.numel() or int(self.frame_idx[row]) != want:
             held = self.frame_idx.numel()
             span = f"{int(self.frame_idx[0])}..{int(self.frame_idx[-1])}" if held else "none"
             raise KeyError(f"frame_idx {want}: no such frame here ({held} frames, frame_idx {span})")

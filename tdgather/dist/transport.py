@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import operator
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -118,9 +119,8 @@ def resolve_dst(group: Any, dst: int | None, group_dst: int | None) -> int:
             f"dst={dst!r} and group_dst={group_dst!r}: pass one of them, as in torch.distributed: dst is a "
             "global rank, group_dst a rank within group="
         )
-    for name, value in (("dst", dst), ("group_dst", group_dst)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ValueError(f"{name}: expected an int (a rank), got {value!r}")
+    defaulted = dst is None and group_dst is None
+    dst, group_dst = _rank(dst, "dst"), _rank(group_dst, "group_dst")
     if not (dist.is_available() and dist.is_initialized()):
         return 0  # a local call: this process receives
     group = group if group is not None else dist.group.WORLD
@@ -134,12 +134,24 @@ def resolve_dst(group: Any, dst: int | None, group_dst: int | None) -> int:
         return group_dst
     dst = 0 if dst is None else dst
     if dst not in ranks:
-        default = " (the default, as in torch.distributed)" if dst == 0 else ""
+        default = " (the default, as in torch.distributed)" if defaulted else ""
         raise ValueError(
             f"dst: global rank {dst}{default} is not in the group, whose global ranks are {_describe_ranks(ranks)}; "
             f"pass dst= one of those, or group_dst= a rank within the group (0..{len(ranks) - 1})"
         )
     return dist.get_group_rank(group, dst)
+
+
+def _rank(value: Any, name: str) -> int | None:
+    """A rank given as an int, a numpy integer or a one-element integer tensor (never a bool or a float)."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}: expected an integer rank, got {type(value).__name__} {value!r}") from None
 
 
 def _describe_ranks(ranks: list[int]) -> str:

@@ -50,7 +50,6 @@ class OpenShard:
         return got
 
 
-
 def open_shard(root: Path, name: str, c: Check, field: str) -> Any:
     """Open a shard named by ``field`` of ``c``'s file, refusing any path that leaves ``root``."""
     if not SHARD_NAME.fullmatch(name):
@@ -63,14 +62,16 @@ def open_shard(root: Path, name: str, c: Check, field: str) -> Any:
     if os.path.dirname(real) != os.path.realpath(root):
         raise DatasetError(str(path), "file", f"expected a file in the dataset directory, got a link to {real!r}")
     if not os.path.isfile(real):  # missing, or a directory, FIFO or device: never opened
-        got = "something else (a directory, FIFO or device)" if os.path.exists(real) else "no such file"
+        got = (
+            "something else (a directory, FIFO or device)"
+            if os.path.exists(real)
+            else ("no such file (was the dataset rewritten or moved since it was opened? open it again)")
+        )
         raise DatasetError(str(path), "file", f"expected a regular file, got {got}")
     try:
         return safe_open(real, framework="pt")
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise DatasetError(str(path), "header", f"expected a readable safetensors file, got {e}") from e
-
-
 
 
 def read_segment(root: str | os.PathLike, segment: dict, layout: Layout) -> tuple[torch.Tensor, list, list]:
