@@ -148,3 +148,12 @@ def test_seed_smoke(tmp_path):
     assert list(frames) == METHODS
     assert set(frames.values()) == {str(QUICK["videos"] * QUICK["frames"])}  # 15 frames, 1 padding repeat dropped
     assert "torch 2." in text and "command: `python -m benchmarks.seed --quick --device cpu" in text
+
+
+def test_many_files_smoke(capsys):
+    from benchmarks.many_files import main as many_files
+
+    many_files(["--memory", "3000", "--resume", "400"])
+    out = capsys.readouterr().out
+    assert "memory 3000 filenames" in out and "(3000 frames)" in out
+    assert "resume 400 re-sent filenames" in out and " dropped" in out
