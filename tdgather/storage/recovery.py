@@ -69,7 +69,7 @@ class RunState:
             ``files[name]``: frames, segments).
         layouts: each filename's layout.
         written: per filename, the frame_idx saved, as runs (`tdgather.core.runs`).
-        attempts: one record per earlier attempt: ``{"attempt", "frames", "failure"}``.
+        attempts: one `Attempt` per earlier attempt: its number, frames saved, how it ended.
         duplicates: copies of a frame in several writers' shards, dropped when read back.
     """
 
@@ -78,13 +78,13 @@ class RunState:
     files: dict[str, dict] = field(default_factory=dict)
     layouts: dict[str, Layout] = field(default_factory=dict)
     written: dict[str, torch.Tensor] = field(default_factory=dict)
-    attempts: list[dict] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
     duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)  # copies dropped across writers
 
     @property
     def attempt(self) -> int:
         """The number of the attempt that continues from this state."""
-        return max((a["attempt"] for a in self.attempts), default=0) + 1
+        return max((a.attempt for a in self.attempts), default=0) + 1
 
     def to_saved(self) -> Saved:
         """What every rank gets: the frames saved, and each filename's layout."""
@@ -265,16 +265,16 @@ def partial_index(staging: Path) -> dict | None:
     last = state.attempts[-1]
     record = _record(staging)  # its other keys (frames per rank, duplicates, yours), if it is the last attempt's
     recorded_last = max(
-        (a["attempt"] for a in _attempts(record, Check(staging / INCOMPLETE_NAME), "metadata")), default=0
+        (a.attempt for a in _attempts(record, Check(staging / INCOMPLETE_NAME), "metadata")), default=0
     )
     return {
         "format": FORMAT,
         "version": index_version(state.shards),
         "metadata": {
-            **(record if recorded_last == last["attempt"] else {}),
+            **(record if recorded_last == last.attempt else {}),
             "run": state.run,
-            "attempts": state.attempts,
-            "failure": last["failure"] or _UNRECORDED,
+            "attempts": [a.to_json() for a in state.attempts],
+            "failure": (last.failure or _UNRECORDED).to_json(),
             "total_frames": sum(s["frames"] for s in state.shards.values()),
             "total_bytes": sum(s["bytes"] for s in state.shards.values()),
             "num_filenames": len(state.files),
@@ -346,7 +346,7 @@ def _from_index(root: Path) -> RunState:
     run = meta.get("run") if isinstance(meta.get("run"), str) else new_run()  # older datasets have none
     state = RunState(run, index["shards"], index["files"], plan.layouts, attempts=attempts)
     if not attempts:
-        state.attempts = [{"attempt": 1, "frames": sum(s["frames"] for s in state.shards.values()), "failure": None}]
+        state.attempts = [Attempt(1, sum(s["frames"] for s in state.shards.values()))]
     _read_frames(root, state)
     return state
 
@@ -441,8 +441,8 @@ def from_shards(
     recorded = _recorded_attempts(root)
     attempts = []
     for k in sorted({*frames_of, *recorded}):
-        failure = recorded.get(k, {}).get("failure") if k in recorded else _UNRECORDED
-        attempts.append({"attempt": k, "frames": frames_of.get(k, 0), "failure": failure})
+        failure = recorded[k].failure if k in recorded else _UNRECORDED
+        attempts.append(Attempt(k, frames_of.get(k, 0), failure))
     state = RunState(runs.pop(), shards, files, plan.layouts, attempts=attempts, duplicates=duplicates)
     if frames:
         _read_frames(root, state)
@@ -463,11 +463,9 @@ def _frame_idx_of(root: Path, layout_of: Mapping[tuple[str, str], Layout]) -> Ca
     return frame_idx
 
 
-_UNRECORDED = {
-    "type": "Unrecorded",
-    "message": "this attempt recorded no failure: rank dst stopped (killed?) before it could",
-    "rank": None,
-}
+_UNRECORDED = Failure(
+    "Unrecorded", "this attempt recorded no failure: rank dst stopped (killed?) before it could", None
+)
 
 
 def _record(root: Path) -> dict:
@@ -482,15 +480,15 @@ def _record(root: Path) -> dict:
     return meta
 
 
-def _recorded_attempts(root: Path) -> dict[int, dict]:
+def _recorded_attempts(root: Path) -> dict[int, Attempt]:
     """The attempts the last failed attempt recorded, by number."""
-    return {a["attempt"]: a for a in _attempts(_record(root), Check(root / INCOMPLETE_NAME), "metadata")}
+    return {a.attempt: a for a in _attempts(_record(root), Check(root / INCOMPLETE_NAME), "metadata")}
 
 
-def _attempts(meta: dict, c: Check, field: str) -> list[dict]:
+def _attempts(meta: dict, c: Check, field: str) -> list[Attempt]:
     """The ``attempts`` a complete or incomplete index records, each checked as an `Attempt` (absent: none)."""
     listed = c.list(meta.get("attempts", []), f"{field}.attempts")
-    return [Attempt.from_json(a, c, f"{field}.attempts[{i}]").to_json() for i, a in enumerate(listed)]
+    return [Attempt.from_json(a, c, f"{field}.attempts[{i}]") for i, a in enumerate(listed)]
 
 
 def _read_frames(root: Path, state: RunState) -> None:
