@@ -34,15 +34,22 @@ FEATURES = 6
 class Elementwise(L.LightningModule):
     """``tanh(x * w + b)``, elementwise; raises in ``predict_step`` on rank ``fail_rank`` at batch ``fail_batch``."""
 
-    def __init__(self, fail_rank: int = -1, fail_batch: int = 1) -> None:
+    def __init__(self, fail_rank: int = -1, fail_batch: int = 1, ready: Path | None = None) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.w = torch.nn.Parameter(torch.randn(FEATURES, generator=g))
         self.b = torch.nn.Parameter(torch.randn(FEATURES, generator=g))
         self.fail_rank, self.fail_batch = fail_rank, fail_batch
+        self.ready = ready  # with a failing rank: rank 0 marks here that its first batch was added
+
 
     def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        if self.ready is not None and self.global_rank == 0 and batch_idx == 1:
+            self.ready.touch()  # batch 0's outputs went to the writer in its batch-end hook
         if self.global_rank == self.fail_rank and batch_idx == self.fail_batch:
+            deadline = time.monotonic() + 30  # fail once rank 0 has added something: what the test checks is kept
+            while self.ready is not None and not self.ready.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
             raise RuntimeError(f"boom on rank {self.global_rank}")
         x = batch["x"] if isinstance(batch, dict) else batch
         y = torch.tanh(x * self.w + self.b)
@@ -93,7 +100,7 @@ def run(case: str, out: Path, devices: int) -> None:
         enable_model_summary=False,
         callbacks=[writer],
     )
-    model = Elementwise(fail_rank=1 if case == "fail" else -1)
+    model = Elementwise(fail_rank=1 if case == "fail" else -1, ready=out / "rank0-added" if case == "fail" else None)
     error = None
     try:
         trainer.predict(model, loaders(case), return_predictions=case == "fail")
