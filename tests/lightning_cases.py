@@ -42,7 +42,6 @@ class Elementwise(L.LightningModule):
         self.fail_rank, self.fail_batch = fail_rank, fail_batch
         self.ready = ready  # with a failing rank: rank 0 marks here that its first batch was added
 
-
     def predict_step(self, batch, batch_idx, dataloader_idx=0):
         if self.ready is not None and self.global_rank == 0 and batch_idx == 1:
             self.ready.touch()  # batch 0's outputs went to the writer in its batch-end hook

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import tdgather
 from tdgather.storage.atomic import LocalFS
+from tdgather.storage.objects import ObjectStore
 from tdgather.storage.writer import DatasetWriter
 
 SIDE = 24  # frames are [3, SIDE, SIDE]: about 7 KB each
@@ -53,6 +54,25 @@ class DieAtWrite(LocalFS):
         return super().write_all(fd, chunks)
 
 
+class DieAtPut(ObjectStore):
+    """SIGKILL this process in the middle of its ``count``-th upload (rank dst killed while uploading a shard)."""
+
+    def __init__(self, url: str, storage_options: dict, count: int) -> None:
+        super().__init__(url, storage_options)
+        self.count, self.seen = count, 0
+
+    def put(self, name, chunks, then=None):
+        self.seen += 1
+        if self.seen != self.count:
+            return super().put(name, chunks, then)
+
+        def half():
+            yield next(iter(chunks))  # the upload has begun: then the process dies
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return super().put(name, half(), then)
+
+
 def case_run(
     out: str,
     resume: bool,
@@ -60,13 +80,19 @@ def case_run(
     batch: int = 4,
     layout: str = "same",
     ranks_per_writer: int | None = None,
+    storage_options: dict | None = None,
 ) -> dict:
-    """One attempt: ``kill`` = {"rank": r, "batch": b} (a rank) or {"rank": r, "write": n} (a writer)."""
+    """One attempt: ``kill`` = {"rank": r, "batch": b} (a rank) or {"rank": r, "write": n} (a writer).
+
+    ``storage_options``: ``out`` is an object store URL (a writer killed in the middle of an upload).
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     sink = None
     if kill and kill["rank"] == rank and "write" in kill:
-        fs = DieAtWrite(kill["write"])
-        sink = functools.partial(DatasetWriter, fs=fs)
+        if storage_options is not None:
+            sink = functools.partial(DatasetWriter, store=DieAtPut(out, storage_options, kill["write"]))
+        else:
+            sink = functools.partial(DatasetWriter, fs=DieAtWrite(kill["write"]))
     col = tdgather.Collector(
         out,
         resume=resume,
@@ -77,6 +103,7 @@ def case_run(
         timeout=60,
         ranks_per_writer=ranks_per_writer,
         sink=sink,
+        storage_options=storage_options,
     )
     with col:
         todo = col.saved.todo(samples())
@@ -98,3 +125,26 @@ def case_run_reporting(out: str, resume: bool, layout: str) -> dict:
         return {"ok": case_run(out, resume, layout=layout)}
     except tdgather.TdgatherError as e:
         return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
+
+
+def case_run_in_scratch(scratch: str, out: str, ranks_per_writer: int, storage_options: dict) -> dict:
+    """`case_run` from a scratch directory of this rank's own (its cwd and TMPDIR): nothing on disk is shared."""
+    import tempfile
+
+    own = os.path.join(scratch, f"rank{dist.get_rank()}")
+    os.makedirs(own)
+    os.chdir(own)
+    os.environ["TMPDIR"] = own
+    tempfile.tempdir = None
+    result = case_run(out, False, ranks_per_writer=ranks_per_writer, storage_options=storage_options)
+    return {**result, "scratch": sorted(os.listdir(own))}
+
+
+def case_gather_save(url: str, storage_options: dict) -> dict:
+    """Each rank one clip; ``gather`` then ``save`` to an object store URL on rank 0."""
+    rank = dist.get_rank()
+    store = tdgather.FrameStore()
+    store.add([f"clip_{rank}.mp4"] * 3, [0, 1, 2], {"depth": torch.full((3, 2, 2), float(rank))})
+    got = tdgather.gather(store)
+    saved = tdgather.save(got, url, storage_options=storage_options) if got is not None else None
+    return {"saved": None if saved is None else str(saved)}

@@ -157,3 +157,22 @@ def test_many_files_smoke(capsys):
     out = capsys.readouterr().out
     assert "memory 3000 filenames" in out and "(3000 frames)" in out
     assert "resume 400 re-sent filenames" in out and " dropped" in out
+
+
+@pytest.mark.world
+def test_objects_smoke(capsys):
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    from benchmarks.objects import frames_per_rank
+    from benchmarks.objects import main as objects
+
+    assert objects(["--world", "2", "--mb-per-rank", "1", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {tuple(c[:2]): c for c in (line.strip("| ").split(" | ") for line in out.splitlines()) if len(c) == 11}
+    assert rows.pop(("method", "W"))[-2:] == ["frames sent", "frames read back"]
+    assert sorted(rows) == [("collector_local", "2"), ("collector_s3", "2"), ("s3fs_one_object", "2")]
+    sent = 2 * frames_per_rank(1)
+    for method in ("collector_s3", "collector_local"):  # every frame rank 0 wrote reads back, values compared
+        assert rows[(method, "2")][-2:] == [str(sent), str(sent)], rows[(method, "2")]
+    assert float(rows[("s3fs_one_object", "2")][2]) == pytest.approx(sent * 65536 / 1e6, abs=0.1)
+    assert "| put | " in out and "| complete | " in out

@@ -24,6 +24,7 @@ import tdgather.storage.segments
 from tdgather import DatasetError
 from tdgather.format.names import INCOMPLETE_NAME, INDEX_NAME
 from tdgather.storage.segments import read_segment
+from tdgather.storage.store import LocalStore
 from tdgather.storage.writer import DatasetWriter
 
 from .cases import DepthMask, assert_same_value, value
@@ -100,14 +101,14 @@ class Opens:
 
     def __init__(self):
         self.paths = []
-        self._real = tdgather.storage.segments.safe_open
+        self._real = tdgather.storage.store.safe_open
 
     def __call__(self, path, *args, **kw):
         self.paths.append(os.path.realpath(path))
         return self._real(path, *args, **kw)
 
     def __enter__(self):
-        self._patch = mock.patch.object(tdgather.storage.segments, "safe_open", self)
+        self._patch = mock.patch.object(tdgather.storage.store, "safe_open", self)
         self._patch.start()
         return self
 
@@ -256,15 +257,15 @@ def test_read_segment_checks_its_segment(tmp_path):
     out = save(tmp_path)
     layout = tdgather.open(out).layout("a")
     seg = {"shard": SHARD, "group": "g0", "start": 0, "frames": 3}
-    assert read_segment(out, seg, layout)[0].tolist() == [0, 1, 2]
+    assert read_segment(LocalStore(out), seg, layout)[0].tolist() == [0, 1, 2]
     with pytest.raises(DatasetError, match=r"segment.shard: expected a shard file name"):
-        read_segment(out, {**seg, "shard": "../outside.safetensors"}, layout)
+        read_segment(LocalStore(out), {**seg, "shard": "../outside.safetensors"}, layout)
     with pytest.raises(DatasetError, match=r"segment: expected start \+ frames <= 3, the rows of g0"):
-        read_segment(out, {**seg, "start": 1}, layout)
+        read_segment(LocalStore(out), {**seg, "start": 1}, layout)
     with pytest.raises(DatasetError, match=r"__metadata__.groups\['g0'\]: expected float32\[3\]"):
-        read_segment(out, seg, tdgather.open(save(tmp_path, frames(shape=(3,)), name="other")).layout("a"))
+        read_segment(LocalStore(out), seg, tdgather.open(save(tmp_path, frames(shape=(3,)), name="other")).layout("a"))
     with pytest.raises(DatasetError, match=r"segment.start: expected an integer"):
-        read_segment(out, {**seg, "start": -1}, layout)
+        read_segment(LocalStore(out), {**seg, "start": -1}, layout)
 
 
 # ---- the index ---------------------------------------------------------------------------------------
@@ -297,11 +298,11 @@ def test_nan_in_the_index_is_refused(tmp_path, constant):
         tdgather.open(out)
 
 
-@pytest.mark.parametrize("version, got", [(5, "5"), (0, "0"), ("2", "'2'"), (True, "True"), (None, "None")])
+@pytest.mark.parametrize("version, got", [(6, "6"), (0, "0"), ("2", "'2'"), (True, "True"), (None, "None")])
 def test_an_unknown_version_is_refused_saying_which_this_tdgather_reads(tmp_path, version, got):
     out = save(tmp_path)
     edit(out, lambda index: index.update(version=version))
-    wanted = r"1, 2, 3 or 4 \(this tdgather reads index version 1, 2, 3 or 4 only\)"
+    wanted = r"1, 2, 3, 4 or 5 \(this tdgather reads index version 1, 2, 3, 4 or 5 only\)"
     with pytest.raises(DatasetError, match=rf"version: expected {wanted}, got {got}"):
         tdgather.open(out)
 

@@ -4,13 +4,16 @@ Each page is one test: its blocks run in order, in a fresh directory of their ow
 would paste them (the README's reading block reads what its Collector example wrote; a docs page
 that reads a dataset first saves one itself), so no page depends on another page's output. The
 writer-per-node block runs as two torchrun "nodes" of one process each, meeting on loopback, so
-that it has two writers. The Quick start also runs alone, without a process group.
+that it has two writers. The Quick start also runs alone, without a process group. The object
+storage page's blocks talk to a local S3 server (moto's, started here; skipped without moto or
+s3fs), whose endpoint they read from ``TDGATHER_S3_ENDPOINT``.
 
 PAGES says how many blocks each page has: a page added under docs/, or a block added, removed or
 no longer collected (a fence that is not exactly ```python at the start of a line), fails
 `test_each_page_has_the_blocks_this_test_expects` until the count here is updated.
 """
 
+import contextlib
 import os
 import re
 import subprocess
@@ -20,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from .procs import finish
+from .s3 import s3_server
 from .test_torchrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +39,7 @@ PAGES = {
     "docs/how-it-works.md": 0,
     "docs/inputs.md": 1,
     "docs/integrations.md": 2,
+    "docs/object-storage.md": 2,
     "docs/ragged.md": 1,
     "docs/reading.md": 4,
     "docs/scaling.md": 1,
@@ -87,6 +92,12 @@ def _format(out: Path, logs: str) -> None:
     assert "['g0', 'g0:frame_idx']" in logs, logs[-3000:]
 
 
+def _object_storage(out: Path, logs: str) -> None:
+    assert not out.exists()  # everything went to the bucket, nothing to the local disk
+    assert "[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11] (12, 1, 16, 16)" in logs, logs[-3000:]
+    assert "verified 1 shard(s)" in logs, logs[-3000:]
+
+
 def _reading(out: Path, logs: str) -> None:
     _dataset(out, "quickstart")
     assert (out / "quickstart.parquet").is_file()
@@ -99,6 +110,7 @@ CHECKS = {
     "docs/format.md": _format,
     "docs/inputs.md": lambda out, logs: None,  # its block asserts its own result
     "docs/integrations.md": _integrations,
+    "docs/object-storage.md": _object_storage,
     "docs/ragged.md": _ragged,
     "docs/reading.md": _reading,
     "docs/scaling.md": _scaling,
@@ -109,8 +121,8 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
-def _run(args, cwd) -> str:
-    done = subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=180)
+def _run(args, cwd, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(args, cwd=cwd, env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, f"{args} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     return done.stdout
 
@@ -151,14 +163,18 @@ def test_each_page_has_the_blocks_this_test_expects(page):
 @pytest.mark.parametrize("page", sorted(p for p, n in PAGES.items() if n))
 def test_every_python_block_of_the_page_runs_as_written_on_two_ranks(page, tmp_path):
     logs = []
-    for k, block in enumerate(blocks(page)):
-        script = tmp_path / f"block{k}.py"
-        script.write_text(block, encoding="utf-8")
-        if "ranks_per_writer=per_node" in block:
-            logs += _two_nodes(script, tmp_path)
-            continue
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        logs.append(_run([*torchrun, str(script)], tmp_path))
+    with contextlib.ExitStack() as servers:
+        env = {}
+        if page == "docs/object-storage.md":  # a fresh, empty S3 for the page's blocks
+            env["TDGATHER_S3_ENDPOINT"] = servers.enter_context(s3_server())["endpoint_url"]
+        for k, block in enumerate(blocks(page)):
+            script = tmp_path / f"block{k}.py"
+            script.write_text(block, encoding="utf-8")
+            if "ranks_per_writer=per_node" in block:
+                logs += _two_nodes(script, tmp_path)
+                continue
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+            logs.append(_run([*torchrun, str(script)], tmp_path, env))
     CHECKS[page](tmp_path / "out", "".join(logs))
 
 

@@ -59,7 +59,7 @@ def test_many_writers_write_the_single_writer_dataset(tmp_path, scenario, k):
     assert many[0] == one[0]  # frames, frames per rank, duplicates
     assert_same_as_one_writer(tmp_path / "many", tmp_path / "one")
     ds = tdgather.open(tmp_path / "many")
-    assert ds.index["version"] == 4 and tdgather.open(tmp_path / "one").index["version"] == 3
+    assert ds.index["version"] == 5 and tdgather.open(tmp_path / "one").index["version"] == 5  # checksums
     writers = {name.split("-")[1] for name in ds.index["shards"]}
     assert writers == {"00000", "00001"}  # blocks 0-1 and 2-3 (k=2), or 0-2 and 3 (k=3)
     assert sorted(os.listdir(tmp_path)) == ["many", "one"]  # published: no .partial left
@@ -188,11 +188,19 @@ def test_ranks_that_disagree_on_the_writers_fail_and_do_not_hang(tmp_path):
         ),
         (
             {
-                "shards": {"shard-00001-00000.safetensors": {"frames": 1, "bytes": 1, "size": -1}},
+                "shards": {"shard-00001-00000.safetensors": {"frames": 1, "bytes": 1, "size": -1, "sha256": "0" * 64}},
                 "frames_per_rank": [],
                 "duplicates": {"exact": 0, "inexact": 0, "max_abs_diff": 0},
             },
             "size",
+        ),
+        (
+            {
+                "shards": {"shard-00001-00000.safetensors": {"frames": 1, "bytes": 1, "size": 9, "sha256": "../x"}},
+                "frames_per_rank": [],
+                "duplicates": {"exact": 0, "inexact": 0, "max_abs_diff": 0},
+            },
+            "sha256",
         ),
         (
             {"shards": {}, "frames_per_rank": [[1]], "duplicates": {"exact": 0, "inexact": 0, "max_abs_diff": 0}},
@@ -212,7 +220,7 @@ def test_a_malformed_part_from_a_writer_is_refused(part, field):
 
 def test_a_part_and_a_run_as_sent_are_accepted():
     part = {
-        "shards": {"shard-00001-00003.safetensors": {"frames": 4, "bytes": 64, "size": 900}},
+        "shards": {"shard-00001-00003.safetensors": {"frames": 4, "bytes": 64, "size": 900, "sha256": "0" * 64}},
         "frames_per_rank": [[2, 3], [3, 1]],
         "duplicates": {"exact": 1, "inexact": 0, "max_abs_diff": "inf"},
     }
@@ -236,7 +244,7 @@ def test_a_shard_reported_but_not_seen_by_the_coordinator_fails_the_run(tmp_path
     shards = part.report()
     assert w.combine({1: shards}).dropped == 0 and sorted(w.files) == ["a", "b"]
     name = next(iter(shards))
-    with pytest.raises(OutputError, match="a filesystem every writer shares"):
+    with pytest.raises(OutputError, match="one every writer reaches \\(a shared filesystem"):
         w.combine({1: {**shards, name: {**shards[name], "size": shards[name]["size"] + 1}}})
     w.commit()
     ds = tdgather.open(tmp_path / "ds")

@@ -87,14 +87,18 @@ def case_far_apart(out: str, slow: int, seconds: float, timeout: float) -> dict:
 
 
 def case_writer_without_the_output(out: str) -> dict:
-    """Rank 2, a writer, does not see rank 0's output directory (as a node without the shared filesystem)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 2:
-        from tdgather.storage import writer as sink
+    """Rank 2, a writer, does not see rank 0's output directory (as a node without the shared filesystem).
 
-        sink.staging_of = lambda target: Path(f"{target}.elsewhere")
+    Every rank names the output by a relative path; rank 2 runs in another directory.
+    """
+    import os
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    here = Path(out).parent / ("elsewhere" if rank == 2 else "")
+    here.mkdir(exist_ok=True)
+    os.chdir(here)
     try:
-        with tdgather.Collector(out, ranks_per_writer=2, timeout=30, progress=False) as col:
+        with tdgather.Collector(Path(out).name, ranks_per_writer=2, timeout=30, progress=False) as col:
             col.update(cases.predictions("uneven", rank, world))
     except tdgather.TdgatherError as e:
         return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}

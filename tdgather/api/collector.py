@@ -21,9 +21,9 @@ Call order, on every rank of the group:
 On an error anywhere (an exception in the block, a failed or lost peer, Ctrl-C, or SIGTERM as
 SLURM, Kubernetes and torchrun send it: `tdgather.api.terminate`), every rank raises within the
 timeout. Rank ``dst`` answers ``error`` to every peer at once, writes everything
-that reached it (until each peer's stream ends) to ``<path>.partial``, lists it there in
-``tdgather.incomplete.json`` (read with ``tdgather.open(path, incomplete=True)``), and writes
-no index.
+that reached it (until each peer's stream ends) to ``<path>.partial`` (under a URL: beside any
+old dataset, under names of its own), lists it there in ``tdgather.incomplete.json`` (read with
+``tdgather.open(path, incomplete=True)``), and writes no index.
 
 With ``ranks_per_writer=k`` every block of k ranks has its own writer, its first rank, which
 plays rank ``dst``'s part for its block and, at close, reports its shards to rank ``dst``, which
@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ..core.duplicates import DuplicatePolicy
 from ..dist.transport import Call, as_timeout, begin_call, resolve_dst, transport_group
+from ..storage.location import is_url, store_at
 from ..storage.recovery import Saved
 from ..storage.sink import SinkFactory
 from ..storage.writer import DEFAULT_SHARD_BYTES
@@ -73,7 +74,8 @@ class Collector:
         ...         col.add(batch["filename"], batch["frame_idx"], model(batch["video"].cuda()))
 
     Args:
-        path: the dataset directory (used on rank ``dst``; see `tdgather.save` for the layout).
+        path: the dataset directory, or an object store URL (``s3://bucket/prefix``: see
+            ``storage_options``); used on rank ``dst`` (and each writer); `tdgather.save` has the layout.
         dst: the global rank that receives and writes (as in ``torch.distributed``); with neither
             ``dst`` nor ``group_dst``, global rank 0.
         group: the process group (default: the world); NCCL groups get a side gloo group.
@@ -96,13 +98,18 @@ class Collector:
             ``metadata["user"]``, beside tdgather's own keys, which never replace yours. Rank
             ``dst``'s is the one stored; it checks it when the Collector opens, and a value JSON
             cannot hold fails every rank there, naming its key.
-        resume: continue a run that failed (or finished): keep what ``<path>.partial`` (or ``path``)
-            holds, give every rank ``saved`` to skip it, drop frames sent again by the duplicates
-            policy, and record each attempt in the index. Nothing saved: a fresh run.
+        storage_options: for an object store URL (``s3://``, ``gs://``, ``az://``, any fsspec URL),
+            the filesystem's options, as fsspec, pandas and datasets take them (credentials, an
+            ``endpoint_url``...); see docs/object-storage.md. Not for a local path.
+        resume: continue a run that failed (or finished): keep what ``<path>.partial`` (or ``path``;
+            under a URL, the failed run's objects or the dataset there) holds, give every rank ``saved``
+            to skip it, drop frames sent again by the duplicates policy, and record each attempt in the
+            index. Nothing saved: a fresh run.
         ranks_per_writer: one writer per block of this many consecutive ranks (a node: torchrun's
             ``LOCAL_WORLD_SIZE``), instead of rank ``dst`` alone. Each block's first rank receives its
             block's frames and writes them as shards of its own into ``<path>.partial``, which every
-            writer must see (a shared filesystem); at close rank ``dst`` (a writer: a multiple of
+            writer must see (a shared filesystem), or straight to the object store at ``path`` (a
+            URL: nothing shared is needed); at close rank ``dst`` (a writer: a multiple of
             this) writes one index over all of them. See `tdgather.storage.combine`.
         sink: makes the `tdgather.storage.sink.Sink` that writes, on rank dst and on each writer; it
             is called with `tdgather.storage.writer.DatasetWriter`'s keywords. Default: that class, on
@@ -130,6 +137,7 @@ class Collector:
         resume: bool = False,
         ranks_per_writer: int | None = None,
         sink: SinkFactory | None = None,
+        storage_options: dict | None = None,
     ) -> None:
         for name, value, low in (("memory_budget", memory_budget, 1), ("max_pending", max_pending, 1)):
             if not isinstance(value, int) or value < low:
@@ -139,7 +147,10 @@ class Collector:
             raise ValueError(f"chunk_bytes: expected {expected}, got {chunk_bytes!r}")
         if dst is not None and group_dst is not None:
             resolve_dst(None, dst, group_dst)  # raises: only one of them
-        self.path, self.group = Path(path), group
+        if storage_options is not None and not is_url(path):
+            store_at(path, storage_options)  # raises: options for a local path
+        self.path, self.group = (path.rstrip("/") if is_url(path) else Path(path)), group
+        self.storage_options = storage_options
         self._dst_args = (dst, group_dst)
         self.dst = 0  # the receiving rank within the group, known once open
         self.timeout = as_timeout(timeout)
@@ -184,6 +195,7 @@ class Collector:
             peers=world - 1,
             resume=self.resume,
             sink=self.sink,
+            storage_options=self.storage_options,
         )
         if not distributed:
             self._side = Destination(settings, None, rank, [])

@@ -37,6 +37,8 @@ from ..dist.transport import Answers, Call, heartbeat_interval, peer_error
 from ..dist.wire import HEARTBEAT, Kind, error_header
 from ..errors import DuplicateFrameError, PeerError, PeerLostError, ProtocolError
 from ..format.parts import check_part, check_run, counts_of
+from ..storage.location import is_url
+from ..storage.objects import BLOCK_BYTES
 from ..storage.recovery import Saved
 from ..storage.sink import SinkFactory
 from ..storage.writer import DatasetWriter
@@ -75,7 +77,7 @@ class Settings:
     With the default c = budget / (8 (W + 1)) that is at most budget / 4 + 0.7 budget.
     """
 
-    path: Path
+    path: Path | str  # a local path, or an object store URL
     dst: int
     timeout: timedelta
     overwrite: bool
@@ -90,11 +92,17 @@ class Settings:
     peers: int  # ranks that send to dst
     resume: bool = False
     sink: SinkFactory | None = None  # makes rank dst's (and each writer's) sink; default DatasetWriter
+    storage_options: dict | None = None  # fsspec's, for an object store URL
+
+    @property
+    def upload_bytes(self) -> int:
+        """What an object store upload holds (its part, and the buffer it is cut from); 0 for a local path."""
+        return 2 * BLOCK_BYTES if is_url(self.path) else 0
 
     @property
     def spill_bytes(self) -> int:
         """Bytes rank dst buffers before it writes them."""
-        return max(self.chunk_bytes, self.memory_budget * 35 // 100)
+        return max(self.chunk_bytes, (self.memory_budget - self.upload_bytes) * 35 // 100)
 
     @property
     def pool_bytes(self) -> int:
@@ -469,6 +477,7 @@ class Destination(_Side):
             max_shard_bytes=col.max_shard_bytes,
             duplicates=self.policy,
             writer=self.writer_number,
+            **({"storage_options": col.storage_options} if col.storage_options else {}),
             **({"resume": col.resume} | role),
         )
 

@@ -23,17 +23,21 @@ from this module.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ..core.frames import Layout
 
 __all__ = [
+    "CHECKSUM_VERSION",
+    "RUN_TAG",
+    "shard_tag",
     "FORMAT",
     "GROUP_NAME",
     "INCOMPLETE_NAME",
     "INDEX_NAME",
     "INDEX_VERSION",
+    "SHA256",
     "SHARD_NAME",
     "SHARD_PATTERN",
     "SHARD_VERSION",
@@ -108,27 +112,45 @@ def group_names(group: str, layout: Layout, version: int) -> GroupNames:
         ":offsets",
     )
 
+
 # ---- files and versions ---------------------------------------------------------------------------
 
 FORMAT = "tdgather"  # the index's and every shard's "format"
 INDEX_VERSION = 3  # the index version a single writer writes (3: shards record their segments, run and attempt)
 WRITERS_VERSION = 4  # ... several writers: shard names carry the writer
-VERSIONS = (1, 2, INDEX_VERSION, WRITERS_VERSION)  # the index versions this tdgather reads
+CHECKSUM_VERSION = 5  # every writer since: shards listed with size and sha256; names may carry their run
+VERSIONS = (1, 2, INDEX_VERSION, WRITERS_VERSION, CHECKSUM_VERSION)  # the index versions this tdgather reads
 SHARD_VERSION = "2"  # a shard's __metadata__.version: how its tensors are named (below)
 SHARD_VERSIONS = ("1", SHARD_VERSION)  # the shard versions this tdgather reads
 INDEX_NAME = "tdgather.index.json"  # written last: its presence means "complete"
-INCOMPLETE_NAME = "tdgather.incomplete.json"  # what a failed run saved, in <name>.partial
-SHARD_PATTERN = r"shard-[0-9]{5,}(-[0-9]{5,})?\.safetensors"  # shard-NNNNN, or shard-WWWWW-NNNNN (writer W)
+INCOMPLETE_NAME = "tdgather.incomplete.json"  # what a failed run saved: in <name>.partial, or beside (a URL)
+# shard-NNNNN, or shard-WWWWW-NNNNN (writer W); in an object store .RRRRRRRRRRRR-A before the suffix: the
+# first 12 hex digits of the run id and the attempt, so no run or attempt ever overwrites another's object
+SHARD_PATTERN = r"shard-[0-9]{5,}(-[0-9]{5,})?(\.[0-9a-f]{12}-[0-9]{1,9})?\.safetensors"
 SHARD_NAME = re.compile(SHARD_PATTERN)
 GROUP_NAME = re.compile(r"g[0-9]+")
+SHA256 = re.compile(r"[0-9a-f]{64}")  # a shard's checksum, as the index lists it (version 5 on)
 
 
-_NAME = re.compile(r"shard-([0-9]{5,})(?:-([0-9]{5,}))?\.safetensors")  # SHARD_PATTERN, with its numbers
+_NAME = re.compile(r"shard-([0-9]{5,})(?:-([0-9]{5,}))?(?:\.([0-9a-f]{12})-([0-9]{1,9}))?\.safetensors")
+RUN_TAG = 12  # hex digits of the run id a tagged shard name carries
 
 
-def shard_name(writer: int | None, number: int) -> str:
-    """Writer ``writer``'s shard ``number`` (``None``: the single writer's ``shard-NNNNN``)."""
-    return f"shard-{number:05d}.safetensors" if writer is None else f"shard-{writer:05d}-{number:05d}.safetensors"
+def shard_name(writer: int | None, number: int, tag: tuple[str, int] | None = None) -> str:
+    """Writer ``writer``'s shard ``number`` (``None``: the single writer's ``shard-NNNNN``).
+
+    ``tag``: ``(run, attempt)``, named in the shard (object stores, where nothing is renamed).
+    """
+    stem = f"shard-{number:05d}" if writer is None else f"shard-{writer:05d}-{number:05d}"
+    return stem + (f".{tag[0][:RUN_TAG]}-{tag[1]}" if tag else "") + ".safetensors"
+
+
+def shard_tag(name: str) -> tuple[str, int] | None:
+    """A tagged shard name's ``(run prefix, attempt)``; None for an untagged name."""
+    m = _NAME.fullmatch(name)
+    if m is None:
+        raise ValueError(f"not a shard name: {name!r}")
+    return None if m[3] is None else (m[3], int(m[4]))
 
 
 def shard_numbers(name: str) -> tuple[int | None, int]:
@@ -144,8 +166,13 @@ def next_number(names: Iterable[str], writer: int | None) -> int:
     return 1 + max((n for w, n in map(shard_numbers, names) if w == writer), default=-1)
 
 
-def index_version(shards: Iterable[str]) -> int:
-    """The index version of a dataset of these shards: 4 when a name carries its writer, else 3."""
+def index_version(shards: Mapping[str, Mapping]) -> int:
+    """The index version of a dataset of these shards (name -> entry).
+
+    5 when each is listed with its size and checksum, else 4 when a name carries its writer, else 3.
+    """
+    if shards and all("sha256" in entry for entry in shards.values()):
+        return CHECKSUM_VERSION
     return WRITERS_VERSION if any(shard_numbers(name)[0] is not None for name in shards) else INDEX_VERSION
 
 

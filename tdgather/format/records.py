@@ -1,8 +1,10 @@
 """The records of a dataset on disk, one frozen dataclass each: what the index and the shards hold.
 
 A dataset directory holds shards (``shard-NNNNN.safetensors``; with several writers
-``shard-WWWWW-NNNNN.safetensors``) and, once complete, ``tdgather.index.json``: an `Index`. A failed
-run leaves ``tdgather.incomplete.json`` instead (the same record, with a `Failure`). Every shard's
+``shard-WWWWW-NNNNN.safetensors``; in an object store with the run and attempt before the suffix,
+``shard-NNNNN.RRRRRRRRRRRR-A.safetensors``: `tdgather.format.names`) and, once complete,
+``tdgather.index.json``: an `Index`. A failed run leaves ``tdgather.incomplete.json`` instead (the
+same record, with a `Failure`). Every shard's
 ``__metadata__`` records its own part (`ShardRecord`), so a killed run can be read and resumed
 from the shards alone. docs/format.md describes these records for a reader with only
 safetensors; a test checks that it names every field here, and nothing else.
@@ -22,7 +24,7 @@ from typing import Any
 
 from ..core.checks import decode_layout
 from ..core.frames import Layout
-from .names import FORMAT, GROUP_NAME, SHARD_NAME, SHARD_VERSION
+from .names import FORMAT, GROUP_NAME, SHA256, SHARD_NAME, SHARD_VERSION
 
 __all__ = ["Attempt", "Failure", "FileEntry", "IndexMeta", "Segment", "ShardEntry", "ShardRecord"]
 
@@ -98,22 +100,35 @@ class ShardEntry:
         frames: the frames its segments list.
         bytes: the tensor bytes of those frames.
         groups: each group's layout (``g<k>`` -> `Layout`), as its ``__metadata__`` records it.
+        size: the shard file's size in bytes (index version 5 on; None before).
+        sha256: the sha256 of the whole file, 64 lowercase hex digits (index version 5 on; None before).
     """
 
     frames: int
     bytes: int
     groups: Mapping[str, Layout]
+    size: int | None = None
+    sha256: str | None = None
 
     @classmethod
     def from_json(cls, obj: Any, c: Any, where: str) -> ShardEntry:
         """A shard entry read from the index, every field and group layout checked."""
-        c.obj(obj, where, {"frames", "bytes", "groups"})
+        keys = {"frames", "bytes", "groups"}
+        if isinstance(obj, dict) and ("size" in obj or "sha256" in obj):
+            keys |= {"size", "sha256"}
+        c.obj(obj, where, keys)
         groups = {}
         for g, desc in c.mapping(obj["groups"], f"{where}.groups").items():
             if not GROUP_NAME.fullmatch(g):
                 raise c.fail(f"{where}.groups", "group names like 'g0'", g)
             groups[g] = decode_layout(desc, c, f"{where}.groups[{g!r}]")
-        return cls(c.int(obj["frames"], f"{where}.frames"), c.int(obj["bytes"], f"{where}.bytes"), groups)
+        size = sha = None
+        if "size" in keys:
+            size = c.int(obj["size"], f"{where}.size")
+            sha = obj["sha256"]
+            if not (isinstance(sha, str) and SHA256.fullmatch(sha)):
+                raise c.fail(f"{where}.sha256", "64 lowercase hex digits", sha)
+        return cls(c.int(obj["frames"], f"{where}.frames"), c.int(obj["bytes"], f"{where}.bytes"), groups, size, sha)
 
 
 @dataclass(frozen=True)
@@ -182,6 +197,8 @@ class IndexMeta:
         duplicates: those copies counted (exact, inexact, largest difference).
         frames_per_rank: frames each rank sent (an incomplete record).
         failure: how the run failed (an incomplete record only).
+        replaces: the run id of the dataset this one replaced in place (an object store, where the
+            old shards are removed after the index is written: any left by a crash are that run's).
         user: the user's ``metadata=``, as given.
     """
 
@@ -194,12 +211,13 @@ class IndexMeta:
     duplicates: Mapping[str, Any] | None = None
     frames_per_rank: Mapping[str, int] | None = None
     failure: Failure | None = None
+    replaces: str | None = None
     user: Mapping[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The metadata as the index holds it (keys that are None are left out)."""
         out: dict[str, Any] = {"user": dict(self.user)}
-        for key in ("duplicates_dropped", "duplicates", "frames_per_rank", "run"):
+        for key in ("duplicates_dropped", "duplicates", "frames_per_rank", "run", "replaces"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.failure is not None:

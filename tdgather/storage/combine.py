@@ -12,7 +12,6 @@ copy dropped stays in its shard, listed by no segment.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,12 +21,13 @@ from ..core.frames import Layout, ragged_hint
 from ..errors import DatasetError, ShapeMismatchError
 from ..format.names import shard_numbers
 from .segments import cat_columns, read_segment
+from .store import Store
 
 __all__ = ["resolve"]
 
 
 def resolve(
-    root: Path,
+    store: Store,
     files: dict[str, dict],
     layout_of: Mapping[tuple[str, str], Layout],
     order_of: Mapping[str, tuple],
@@ -37,7 +37,7 @@ def resolve(
     """Keep the first copy of every frame held by several shards' sources; drop the rest from ``files``.
 
     Args:
-        root: the directory of the shards.
+        store: where the shards are.
         files: ``{filename: {"frames", "segments"}}`` from the shards' records; changed in place: a
             segment that holds dropped copies is split around them.
         layout_of: each ``(shard, group)``'s layout.
@@ -67,7 +67,7 @@ def resolve(
             candidates.append(name)
     counts, dropped = DuplicateCounts(), {}
     for name in _holding_copies(candidates, files, frame_idx):
-        counts += _resolve_one(root, name, files[name], layout_of, order_of, frame_idx, policy, dropped)
+        counts += _resolve_one(store, name, files[name], layout_of, order_of, frame_idx, policy, dropped)
     return counts, dropped
 
 
@@ -109,7 +109,7 @@ def _holding_copies(names: list[str], files: Mapping[str, dict], frame_idx: Any)
     return [names[k] for k in f[1:][twice].unique().tolist()]
 
 
-def _resolve_one(root, name, entry, layout_of, order_of, frame_idx, policy, dropped) -> DuplicateCounts:
+def _resolve_one(store, name, entry, layout_of, order_of, frame_idx, policy, dropped) -> DuplicateCounts:
     """One filename's copies: the first by precedence kept, the others compared, counted and split out."""
     segments = sorted(entry["segments"], key=lambda s: (order_of[s["shard"]], s["start"]))
     idx = [frame_idx(s["shard"], s["group"])[s["start"] : s["start"] + s["frames"]] for s in segments]
@@ -122,9 +122,9 @@ def _resolve_one(root, name, entry, layout_of, order_of, frame_idx, policy, drop
     later, kept = order[repeat], order[first[repeat]]
     for a, b in zip(which[later].tolist(), which[kept].tolist(), strict=True):
         if order_of[segments[a]["shard"]][:2] == order_of[segments[b]["shard"]][:2]:
-            where = str(root / segments[a]["shard"])
+            where = store.path(segments[a]["shard"])
             raise DatasetError(where, f"files[{name!r}]", "expected each frame once, got a frame in two segments")
-    verdict, nbytes = _compare(root, name, segments, idx, which, later, kept, layout_of, policy)
+    verdict, nbytes = _compare(store, name, segments, idx, which, later, kept, layout_of, policy)
     for k, size in zip(which[later].tolist(), nbytes.tolist(), strict=True):
         shard = dropped.setdefault(segments[k]["shard"], [0, 0])
         shard[0] += 1
@@ -136,7 +136,7 @@ def _resolve_one(root, name, entry, layout_of, order_of, frame_idx, policy, drop
     return verdict
 
 
-def _compare(root, name, segments, idx, which, later, kept, layout_of, policy) -> tuple[DuplicateCounts, torch.Tensor]:
+def _compare(store, name, segments, idx, which, later, kept, layout_of, policy) -> tuple[DuplicateCounts, torch.Tensor]:
     """Read the rows of each copy dropped and of the copy kept (a span per segment), and compare them.
 
     Returns the counts, and each dropped copy's bytes.
@@ -150,7 +150,7 @@ def _compare(root, name, segments, idx, which, later, kept, layout_of, policy) -
         lo, hi = int(rows.min()), int(rows.max()) + 1
         seg = segments[k]
         span = {"shard": seg["shard"], "group": seg["group"], "start": seg["start"] + lo, "frames": hi - lo}
-        _, t, j = read_segment(root, span, layout)
+        _, t, j = read_segment(store, span, layout)
         tensors.append(t)
         json_values.append(j)
         base[k] = at - int(starts[k]) - lo  # a row of the concatenation, less its row in ``flat``

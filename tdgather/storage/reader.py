@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..core.frames import Frames, Layout, rebuild
-from ..errors import DatasetError, OutputError
+from ..errors import OutputError
 from ..format.check import (
     Check,
     check_index,
@@ -39,7 +39,11 @@ from ..format.check import (
     shard_version,
 )
 from ..format.names import INCOMPLETE_NAME, INDEX_NAME
+from .location import store_at
+from .outdir import staging_of
+from .recovery import loose_shards, partial_index
 from .segments import OpenShard, cat_columns, offsets_of_rows, open_shard, read_rows
+from .store import LocalStore, Store
 
 __all__ = ["OPEN_SHARDS", "Dataset", "open_dataset"]
 
@@ -60,51 +64,64 @@ class Dataset(Mapping[str, Frames]):
         metadata: totals and user metadata; for an incomplete dataset, ``metadata["failure"]``.
     """
 
-    def __init__(self, path: str | os.PathLike, incomplete: bool = False) -> None:
-        self.path = Path(path)
-        partial = self.path.with_name(self.path.name + ".partial")
+    def __init__(self, path: str | os.PathLike, incomplete: bool = False, storage_options: dict | None = None) -> None:
+        store = store_at(path, storage_options)
+        self.store: Store = store
+        self.path: Path | str = Path(store.where) if store.local else store.where
         built = None
-        if incomplete:
-            if not self.path.name.endswith(".partial"):
-                self.path = partial
-            index_path = self.path / INCOMPLETE_NAME
-            from .recovery import partial_index  # the shards' own records: also after a killed rank dst
-
-            built = partial_index(self.path) if self.path.is_dir() else None
-            if built is None and not index_path.is_file():
+        if not store.local:
+            index_name = self._open_prefix(incomplete)
+            built = self._built
+        elif incomplete:
+            self.path = self.path if self.path.name.endswith(".partial") else staging_of(self.path)
+            self.store = store = LocalStore(self.path)
+            index_name = INCOMPLETE_NAME
+            built = partial_index(store) if self.path.is_dir() else None
+            if built is None and store.size(INCOMPLETE_NAME) is None:
                 raise OutputError(
                     f"{str(self.path)!r} holds no shards and no {INCOMPLETE_NAME}: no failed run saved anything there"
                 )
         else:
-            index_path = self.path / INDEX_NAME
-        if built is None and not index_path.is_file():
-            hint = ""
-            if (partial / INCOMPLETE_NAME).exists():
-                hint = (
-                    f"; a failed run saved frames in {str(partial)!r}: tdgather.open(path, incomplete=True) "
-                    "reads them (tdgather inspect --incomplete PATH lists them)"
+            index_name = INDEX_NAME
+            if store.size(INDEX_NAME) is None:
+                raise OutputError(
+                    f"{str(self.path)!r} is not a complete tdgather dataset: no {INDEX_NAME}{_hint(self.path)}"
                 )
-            elif (partial / INDEX_NAME).exists():
-                hint = f"; {str(partial)!r} holds a complete dataset whose move into place was interrupted"
-            elif partial.exists():
-                hint = (
-                    f"; {str(partial)!r} holds shards of an interrupted run: tdgather.open(path, incomplete=True) "
-                    "reads them, Collector(path, resume=True) continues it"
-                )
-            raise OutputError(f"{str(self.path)!r} is not a complete tdgather dataset: no {INDEX_NAME}{hint}")
-        self._index = Check(index_path)
-        if built is not None:
-            self.index: dict[str, Any] = built
-        else:
-            if os.path.dirname(os.path.realpath(index_path)) != os.path.realpath(self.path):
-                raise DatasetError(str(index_path), "file", "expected a file in the dataset directory, got a link out")
-            self.index = load_json(index_path.read_bytes(), self._index, "index")
-        self._plan = check_index(self.index, str(index_path), incomplete)  # all of it, before any shard
+        self._index = Check(self.store.path(index_name))
+        self.index: dict[str, Any] = (
+            built if built is not None else load_json(self.store.read(index_name), self._index, "index")
+        )
+        self._plan = check_index(self.index, self.store.path(index_name), incomplete)  # all of it, before any shard
         self.metadata: dict[str, Any] = self.index["metadata"]
         self._files: dict[str, dict] = self.index["files"]
         self._run = index_run(self.index, self._index)  # every shard opened must be of this run
         self._open: OrderedDict[str, OpenShard] = OrderedDict()  # by shard name, least recently used first
         self._lock = threading.Lock()
+
+    def _open_prefix(self, incomplete: bool) -> str:
+        """An object store prefix: its index, or (``incomplete``) the failed run's shards beside it."""
+        self._built = None
+        if incomplete:
+            loose = loose_shards(self.store)
+            self._built = partial_index(self.store, loose) if loose else None
+            if self._built is None and self.store.size(INCOMPLETE_NAME) is None:
+                raise OutputError(
+                    f"{self.path!r} holds no shards of a failed run and no {INCOMPLETE_NAME}: no failed run saved "
+                    "anything there"
+                )
+            return INCOMPLETE_NAME
+        if self.store.size(INDEX_NAME) is None:
+            listing = self.store.list()
+            hint = ""
+            if INCOMPLETE_NAME in listing or loose_shards(self.store, listing):
+                hint = (
+                    "; it holds shards of a failed or unfinished run: tdgather.open(url, incomplete=True) reads them, "
+                    "Collector(url, resume=True) continues it"
+                )
+            elif not listing:
+                hint = " (nothing is stored under that prefix: check the URL and storage_options)"
+            raise OutputError(f"{self.path!r} is not a complete tdgather dataset: no {INDEX_NAME}{hint}")
+        return INDEX_NAME
 
     def __getstate__(self) -> dict:
         """Pickled (a spawned DataLoader worker) without open shards: the copy opens and checks its own."""
@@ -163,10 +180,29 @@ class Dataset(Mapping[str, Frames]):
 
         return to_hf(self, **kwargs)
 
-    def verify(self) -> None:
-        """Check every shard's header against the index now (`__getitem__` does it lazily, per shard)."""
-        for shard in self.index["shards"]:
+    def verify(self, checksums: bool = True) -> int:
+        """Check every shard now: its header against the index, and (``checksums``) its size and sha256.
+
+        `__getitem__` checks headers lazily, per shard; only the checksums read every byte. An index
+        written before version 5 records none: then the headers alone are checked. Returns the
+        shards whose checksum was checked.
+
+        Raises:
+            DatasetError: a shard missing, malformed, or changed since it was written (naming it).
+        """
+        checked = 0
+        for shard, entry in self.index["shards"].items():
             self.shard(shard, f"shards[{shard!r}]")
+            if not checksums or "sha256" not in entry:
+                continue
+            got, c = self.store.digest(shard), Check(self.store.path(shard))
+            if got.size != entry["size"]:
+                raise c.fail("size", f"{entry['size']} bytes, as the index records (the file changed since)", got.size)
+            if got.sha256 != entry["sha256"]:
+                expected = f"sha256 {entry['sha256']}, as the index records (the file changed since it was written)"
+                raise c.fail("sha256", expected, got.sha256)
+            checked += 1
+        return checked
 
     def shard(self, shard: str, field: str = "shards") -> OpenShard:
         """A shard of the index, open and checked (``field``: the index field that names it, for errors).
@@ -181,8 +217,8 @@ class Dataset(Mapping[str, Frames]):
             if got is not None:
                 self._open.move_to_end(shard)
                 return got
-        f = open_shard(self.path, shard, self._index, field)
-        c = Check(self.path / shard)
+        f = open_shard(self.store, shard, self._index, field)
+        c = Check(self.store.path(shard))
         check_run(f, c, self._run)
         check_shard(f, c, shard, self.index["shards"][shard]["groups"], self._plan, self._index)
         opened = OpenShard(f, c, shard_version(f, c))
@@ -218,7 +254,9 @@ class Dataset(Mapping[str, Frames]):
             at = int((idx[1:] <= idx[:-1]).nonzero()[0]) + 1
             shards = ", ".join(sorted({segment["shard"] for segment in entry["segments"]}))
             expected = f"strictly increasing indices, each frame once (rows {at - 1} and {at})"
-            raise Check(self.path / shards).fail(f"files{key(name)} frame_idx", expected, idx[at - 1 : at + 1].tolist())
+            raise Check(self.store.path(shards)).fail(
+                f"files{key(name)} frame_idx", expected, idx[at - 1 : at + 1].tolist()
+            )
         try:
             value = rebuild(layout, count, tensors, json_values)
         except (KeyError, ValueError, TypeError) as e:  # e.g. a loaded tensorclass whose fields differ
@@ -226,11 +264,31 @@ class Dataset(Mapping[str, Frames]):
         return Frames(frame_idx=idx, frames=value, batch_size=[count])
 
 
-def open_dataset(path: str | os.PathLike, *, incomplete: bool = False) -> Dataset:
+def _hint(path: Path) -> str:
+    """What ``<path>.partial`` holds, where a dataset has no index: how to read or continue it."""
+    partial = staging_of(path)
+    if (partial / INCOMPLETE_NAME).exists():
+        return (
+            f"; a failed run saved frames in {str(partial)!r}: tdgather.open(path, incomplete=True) "
+            "reads them (tdgather inspect --incomplete PATH lists them)"
+        )
+    if (partial / INDEX_NAME).exists():
+        return f"; {str(partial)!r} holds a complete dataset whose move into place was interrupted"
+    if partial.exists():
+        return (
+            f"; {str(partial)!r} holds shards of an interrupted run: tdgather.open(path, incomplete=True) "
+            "reads them, Collector(path, resume=True) continues it"
+        )
+    return ""
+
+
+def open_dataset(path: str | os.PathLike, *, incomplete: bool = False, storage_options: dict | None = None) -> Dataset:
     """Open a saved dataset lazily; raises OutputError when it is incomplete, DatasetError when it is malformed.
 
     The index is checked whole here; each shard's header the first time one of its filenames
-    is read. With ``incomplete=True``, open instead what a failed run saved in ``<path>.partial``
+    is read. ``path`` may be an object store URL, with fsspec's ``storage_options``. With
+    ``incomplete=True``, open instead what a failed run saved in ``<path>.partial`` (under a URL: its
+    objects beside any old dataset)
     (the frames committed before the failure, listed in ``tdgather.incomplete.json``).
     """
-    return Dataset(path, incomplete)
+    return Dataset(path, incomplete, storage_options)

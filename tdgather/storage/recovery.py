@@ -43,13 +43,38 @@ from ..format.check import (
     names_in,
     shard_groups,
 )
-from ..format.names import FORMAT, INCOMPLETE_NAME, INDEX_NAME, INDEX_VERSION, SHARD_NAME, index_version, shard_order
+from ..format.names import (
+    FORMAT,
+    INCOMPLETE_NAME,
+    INDEX_NAME,
+    INDEX_VERSION,
+    RUN_TAG,
+    SHARD_NAME,
+    index_version,
+    shard_order,
+    shard_tag,
+)
 from ..format.records import Attempt, Failure
 from .combine import resolve
+from .location import is_url, store_at
 from .outdir import fsync_dir, staging_of
 from .segments import open_shard
+from .store import LocalStore, Store
 
-__all__ = ["Saved", "RunState", "from_shards", "load_state", "new_run", "partial_index", "saved_at"]
+__all__ = [
+    "RunState",
+    "Saved",
+    "from_index",
+    "from_shards",
+    "index_runs",
+    "load_state",
+    "loose_shards",
+    "new_run",
+    "partial_index",
+    "prefix_state",
+    "saved_at",
+    "shard_files",
+]
 
 _TMP = re.compile(r"\..+\.tmp-\d+")  # a file a killed writer left half-written: never listed anywhere
 
@@ -241,31 +266,66 @@ def _ints(c: ProtocolCheck, obj: Any, field: str) -> list[int]:
     return values
 
 
-def saved_at(path: str | os.PathLike) -> Saved:
+def saved_at(path: str | os.PathLike, storage_options: dict | None = None) -> Saved:
     """What a Collector with ``resume=True`` would find saved at ``path`` (read on this machine).
 
-    Use it where rank dst's output is visible (one machine, or a shared filesystem), for example
-    to build Lightning's predict dataloader; ``col.saved`` is the same on every rank of a job.
+    Use it where rank dst's output is visible (one machine, a shared filesystem, an object store),
+    for example to build Lightning's predict dataloader; ``col.saved`` is the same on every rank.
     """
+    if is_url(path):
+        state = prefix_state(store_at(path, storage_options))
+        return state.to_saved() if state is not None else Saved()
     target = Path(path)
     state = _read(target, staging_of(target), overwrite=True)
     return state.to_saved() if state is not None else Saved()
 
 
-def partial_index(staging: Path) -> dict | None:
-    """What a failed run saved in ``staging``, as an incomplete index, from the shards' own records.
+def index_runs(store: Store) -> tuple[set[str], str | None, str | None]:
+    """The complete dataset's shard names, its run and the run it replaced (nothing when there is no index)."""
+    if store.size(INDEX_NAME) is None:
+        return set(), None, None
+    c = Check(store.path(INDEX_NAME))
+    index = c.mapping(load_json(store.read(INDEX_NAME), c, "index"), "index")
+    meta = c.mapping(index.get("metadata"), "metadata")
+    run, replaces = meta.get("run"), meta.get("replaces")
+    return (
+        set(c.mapping(index.get("shards"), "shards")),
+        run if isinstance(run, str) else None,
+        replaces if isinstance(replaces, str) else None,
+    )
 
-    The truth also after rank dst was killed (no ``tdgather.incomplete.json``), or after a resumed
-    attempt failed. None when there are no shards, or shards of a tdgather that kept no record.
+
+def loose_shards(store: Store, listing: Iterable[str] | None = None) -> list[str]:
+    """The shards no index lists: a failed (or running) run's; not those a replaced dataset left behind."""
+    names = sorted(n for n in (store.list() if listing is None else listing) if SHARD_NAME.fullmatch(n))
+    listed, _, replaces = index_runs(store)
+    left_behind = replaces[:RUN_TAG] if replaces else None
+    return [n for n in names if n not in listed and (shard_tag(n) or ("",))[0] != left_behind]
+
+
+def prefix_state(store: Store) -> RunState | None:
+    """What a run resumed at this prefix continues from: a failed run's shards, else the complete dataset."""
+    loose = loose_shards(store)
+    if loose:
+        return from_shards(store, loose)
+    return from_index(store) if store.size(INDEX_NAME) is not None else None
+
+
+def partial_index(store: Store, names: list[str] | None = None) -> dict | None:
+    """What a failed run saved in ``store`` (its shards ``names``; default all), as an incomplete index.
+
+    Built from the shards' own records: the truth also after rank dst was killed (no
+    ``tdgather.incomplete.json``), or after a resumed attempt failed. None when there are no
+    shards, or shards of a tdgather that kept no record.
     """
-    names = _shard_files(staging)
-    state = from_shards(staging, names, required=False) if names else None
+    names = shard_files(store) if names is None else names
+    state = from_shards(store, names, required=False) if names else None
     if state is None:
         return None
     last = state.attempts[-1]
-    record = _record(staging)  # its other keys (frames per rank, duplicates, yours), if it is the last attempt's
+    record = _record(store, state.run)  # its other keys (frames per rank, duplicates, yours), if the last attempt's
     recorded_last = max(
-        (a.attempt for a in _attempts(record, Check(staging / INCOMPLETE_NAME), "metadata")), default=0
+        (a.attempt for a in _attempts(record, Check(store.path(INCOMPLETE_NAME)), "metadata")), default=0
     )
     return {
         "format": FORMAT,
@@ -318,8 +378,8 @@ def _read(target: Path, staging: Path, overwrite: bool) -> RunState | None:
                 f"both {str(target)!r} and {str(staging)!r} hold a complete dataset (a move into place was "
                 "interrupted): keep the one you want, remove the other, and resume again"
             )
-        return _from_index(staging)
-    shards = _shard_files(staging)
+        return from_index(LocalStore(staging))
+    shards = shard_files(LocalStore(staging))
     if shards:
         if complete_target and not overwrite:
             raise OutputError(
@@ -327,32 +387,32 @@ def _read(target: Path, staging: Path, overwrite: bool) -> RunState | None:
                 "finishing that run would replace: pass overwrite=True as well as resume=True to do so, or move "
                 "one of them away"
             )
-        return from_shards(staging, shards)
+        return from_shards(LocalStore(staging), shards)
     if complete_target:
-        return _from_index(target)
+        return from_index(LocalStore(target))
     return None
 
 
-def _from_index(root: Path) -> RunState:
+def from_index(store: Store) -> RunState:
     """A complete dataset's state: its index, checked, and every shard's header."""
-    c = Check(root / INDEX_NAME)
-    index = load_json((root / INDEX_NAME).read_bytes(), c, "index")
-    plan = check_index(index, str(root / INDEX_NAME), incomplete=False)
+    c = Check(store.path(INDEX_NAME))
+    index = load_json(store.read(INDEX_NAME), c, "index")
+    plan = check_index(index, store.path(INDEX_NAME), incomplete=False)
     for name, entry in index["shards"].items():  # every shard's header, as Dataset.verify() checks it
-        with open_shard(root, name, c, f"shards[{name!r}]") as f:
-            check_shard(f, Check(root / name), name, entry["groups"], plan, c)
+        with open_shard(store, name, c, f"shards[{name!r}]") as f:
+            check_shard(f, Check(store.path(name)), name, entry["groups"], plan, c)
     meta = index["metadata"]
     attempts = _attempts(meta, c, "metadata")
     run = meta.get("run") if isinstance(meta.get("run"), str) else new_run()  # older datasets have none
     state = RunState(run, index["shards"], index["files"], plan.layouts, attempts=attempts)
     if not attempts:
         state.attempts = [Attempt(1, sum(s["frames"] for s in state.shards.values()))]
-    _read_frames(root, state)
+    _read_frames(store, state)
     return state
 
 
 def from_shards(
-    root: Path, names: list[str], required: bool = True, policy: Any = "keep", frames: bool = True
+    store: Store, names: list[str], required: bool = True, policy: Any = "keep", frames: bool = True
 ) -> RunState | None:
     """A failed attempt's state, from its shards' own records (the incomplete record adds failures).
 
@@ -367,8 +427,8 @@ def from_shards(
     layout_of: dict[tuple[str, str], Layout] = {}
     runs = set()
     for name in names:
-        c = Check(root / name)
-        with open_shard(root, name, Check(root), "shard") as f:
+        c = Check(store.path(name))
+        with open_shard(store, name, Check(store.where), "shard") as f:
             meta = f.metadata() or {}
             record = meta.get("segments")
             if record is None:
@@ -417,9 +477,9 @@ def from_shards(
                         nbytes += f.get_slice(tensor).get_shape()[0] * leaf.row_nbytes
             shards[name] = {"frames": sum(rows.values()), "bytes": nbytes, "groups": raw}
     if len(runs) > 1:
-        raise DatasetError(str(root), "shards", f"expected the shards of one run, got runs {sorted(runs)}")
+        raise DatasetError(store.where, "shards", f"expected the shards of one run, got runs {sorted(runs)}")
     order_of = {name: shard_order(name, attempt) for name, attempt in attempt_of.items()}
-    duplicates, dropped = resolve(root, files, layout_of, order_of, _frame_idx_of(root, layout_of), policy)
+    duplicates, dropped = resolve(store, files, layout_of, order_of, _frame_idx_of(store, layout_of), policy)
     for name, (count, nbytes) in dropped.items():  # a dropped copy stays in its shard, listed by no segment
         shards[name]["frames"] -= count
         shards[name]["bytes"] -= nbytes
@@ -437,26 +497,27 @@ def from_shards(
         "shards": shards,
         "files": files,
     }
-    plan = check_index(index, str(root), incomplete=False)  # counts, overlaps, one layout per filename
-    recorded = _recorded_attempts(root)
+    plan = check_index(index, store.where, incomplete=False)  # counts, overlaps, one layout per filename
+    run = runs.pop()
+    recorded = _recorded_attempts(store, run)
     attempts = []
     for k in sorted({*frames_of, *recorded}):
         failure = recorded[k].failure if k in recorded else _UNRECORDED
         attempts.append(Attempt(k, frames_of.get(k, 0), failure))
-    state = RunState(runs.pop(), shards, files, plan.layouts, attempts=attempts, duplicates=duplicates)
+    state = RunState(run, shards, files, plan.layouts, attempts=attempts, duplicates=duplicates)
     if frames:
-        _read_frames(root, state)
+        _read_frames(store, state)
     return state
 
 
-def _frame_idx_of(root: Path, layout_of: Mapping[tuple[str, str], Layout]) -> Callable[[str, str], torch.Tensor]:
+def _frame_idx_of(store: Store, layout_of: Mapping[tuple[str, str], Layout]) -> Callable[[str, str], torch.Tensor]:
     """``frame_idx(shard, group)``: the group's frame indexes, read once."""
     cache: dict[tuple[str, str], torch.Tensor] = {}
 
     def frame_idx(shard: str, group: str) -> torch.Tensor:
         if (shard, group) not in cache:
-            c = Check(root / shard)
-            with open_shard(root, shard, Check(root), "shard") as f:
+            c = Check(store.path(shard))
+            with open_shard(store, shard, Check(store.where), "shard") as f:
                 cache[shard, group] = f.get_tensor(names_in(f, c, group, layout_of[shard, group]).frame_idx)
         return cache[shard, group]
 
@@ -468,21 +529,25 @@ _UNRECORDED = Failure(
 )
 
 
-def _record(root: Path) -> dict:
-    """The metadata the last failed attempt recorded (``tdgather.incomplete.json``), or {}."""
-    path = root / INCOMPLETE_NAME
-    if not path.is_file():
+def _record(store: Store, run: str | None = None) -> dict:
+    """The metadata the last failed attempt recorded (``tdgather.incomplete.json``), or {}.
+
+    With ``run``, a record of another run (left beside a dataset in an object store) counts as none.
+    """
+    if store.size(INCOMPLETE_NAME) is None:
         return {}
-    c = Check(path)
-    meta = c.mapping(c.mapping(load_json(path.read_bytes(), c, "index"), "index").get("metadata"), "metadata")
+    c = Check(store.path(INCOMPLETE_NAME))
+    meta = c.mapping(c.mapping(load_json(store.read(INCOMPLETE_NAME), c, "index"), "index").get("metadata"), "metadata")
     if "failure" in meta:
         Failure.from_json(meta["failure"], c, "metadata.failure")
+    if run is not None and meta.get("run", run) != run:
+        return {}
     return meta
 
 
-def _recorded_attempts(root: Path) -> dict[int, Attempt]:
-    """The attempts the last failed attempt recorded, by number."""
-    return {a.attempt: a for a in _attempts(_record(root), Check(root / INCOMPLETE_NAME), "metadata")}
+def _recorded_attempts(store: Store, run: str | None = None) -> dict[int, Attempt]:
+    """The attempts the last failed attempt (of ``run``) recorded, by number."""
+    return {a.attempt: a for a in _attempts(_record(store, run), Check(store.path(INCOMPLETE_NAME)), "metadata")}
 
 
 def _attempts(meta: dict, c: Check, field: str) -> list[Attempt]:
@@ -491,7 +556,7 @@ def _attempts(meta: dict, c: Check, field: str) -> list[Attempt]:
     return [Attempt.from_json(a, c, f"{field}.attempts[{i}]") for i, a in enumerate(listed)]
 
 
-def _read_frames(root: Path, state: RunState) -> None:
+def _read_frames(store: Store, state: RunState) -> None:
     """Fill ``state.written`` from each segment's frame_idx (each shard opened once), checking their order."""
     by_shard: dict[str, list[tuple[str, dict]]] = {}
     for name, entry in state.files.items():
@@ -499,8 +564,8 @@ def _read_frames(root: Path, state: RunState) -> None:
             by_shard.setdefault(seg["shard"], []).append((name, seg))
     pieces: dict[str, list[torch.Tensor]] = {}
     for shard, segments in by_shard.items():
-        c = Check(root / shard)
-        with open_shard(root, shard, Check(root), "shard") as f:
+        c = Check(store.path(shard))
+        with open_shard(store, shard, Check(store.where), "shard") as f:
             idx_of = {}
             for name, seg in segments:
                 g = seg["group"]
@@ -516,14 +581,13 @@ def _read_frames(root: Path, state: RunState) -> None:
         all_idx = torch.cat(idx)
         runs = add_runs(None, all_idx)
         if int((runs[:, 1] - runs[:, 0] + 1).sum()) != all_idx.numel():
-            raise DatasetError(str(root), f"files[{name!r}]", "expected each frame once, got a frame in two segments")
+            raise DatasetError(store.where, f"files[{name!r}]", "expected each frame once, got a frame in two segments")
         state.written[name] = runs
 
 
-def _shard_files(root: Path) -> list[str]:
-    if not root.is_dir():
-        return []
-    return sorted(n for n in os.listdir(root) if SHARD_NAME.fullmatch(n))
+def shard_files(store: Store) -> list[str]:
+    """The shards in ``store``, by name."""
+    return sorted(n for n in store.list() if SHARD_NAME.fullmatch(n))
 
 
 def _link(src: Path, dst: Path) -> None:

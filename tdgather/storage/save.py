@@ -24,12 +24,14 @@ def save(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     metadata: Mapping[str, Any] | None = None,
     sink: SinkFactory | None = None,
-) -> Path:
+    storage_options: dict | None = None,
+) -> Path | str:
     """Write gathered frames as a dataset directory (see the module docstring).
 
     Args:
         frames: ``{filename: Frames}``, as `tdgather.api.gather` returns on rank ``dst``.
-        path: the dataset directory to create.
+        path: the dataset directory to create, or an object store URL (``s3://bucket/prefix``, any
+            fsspec URL: see docs/object-storage.md).
         overwrite: replace an existing tdgather dataset (atomically: the old one stays whole until the
             swap). A directory that is not a tdgather dataset is refused, even with this.
         max_shard_bytes: start a new shard when a shard would grow past this; one filename
@@ -37,10 +39,11 @@ def save(
         metadata: your JSON values (numpy scalars are converted), stored in the index as
             ``metadata["user"]``, beside tdgather's own keys (a `tdgather.Gathered`'s duplicate counts).
         sink: makes the `tdgather.storage.sink.Sink` that writes (called with `DatasetWriter`'s
-            keywords); default `DatasetWriter`, the local filesystem.
+            keywords); default `DatasetWriter`.
+        storage_options: for an object store URL, the filesystem's options (fsspec's).
 
     Returns:
-        The dataset directory.
+        The dataset directory (or URL).
 
     Raises:
         UnsupportedValueError: (a TypeError) ``frames`` is not gathered frames: the raw
@@ -52,7 +55,8 @@ def save(
     stats = getattr(frames, "stats", None)  # a Gathered: its duplicate counts go in the index too
     if stats is not None:
         meta.update(duplicates_dropped=stats.duplicates.dropped, duplicates=stats.duplicates.to_json())
-    writer = (sink or DatasetWriter)(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes)
+    options = {"storage_options": storage_options} if storage_options else {}
+    writer = (sink or DatasetWriter)(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes, **options)
     try:
         writer.write(frames)
         return writer.commit(meta)
@@ -96,5 +100,3 @@ def _check_save_input(frames: Any) -> None:
                 f"save(): {_SAVE_WANT}, got a dict whose filename {name!r:.200} holds {type(f).__name__}{form}; "
                 f"{_SAVE_FIX}"
             )
-
-

@@ -1,25 +1,22 @@
 """Reading rows of a shard: one segment, a span of rows, a group's offsets and JSON lines.
 
 The reader, the sink (copies compared with the disk), recovery and the coordinator all read
-shards through here. Only files directly in the dataset directory are opened (`open_shard`);
+shards through here, from a `tdgather.storage.store.Store`. Only shard names are opened (`open_shard`);
 offsets are checked (non-decreasing, inside their blob) before anything they point at is read.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from ..core.frames import Layout
 from ..core.ragged import Ragged
-from ..errors import DatasetError
 from ..format.check import Check, check_group, check_layout, check_segment, json_scalar, names_in, shard_groups
 from ..format.names import SHARD_NAME, GroupNames, group_names
+from .store import Store
 
 __all__ = ["OpenShard", "cat_columns", "offsets_of_rows", "open_shard", "read_rows", "read_segment", "read_span"]
 
@@ -50,41 +47,23 @@ class OpenShard:
         return got
 
 
-def open_shard(root: Path, name: str, c: Check, field: str) -> Any:
-    """Open a shard named by ``field`` of ``c``'s file, refusing any path that leaves ``root``."""
+def open_shard(store: Store, name: str, c: Check, field: str) -> Any:
+    """Open a shard named by ``field`` of ``c``'s file; a name that is not a shard's (a path) is refused unopened."""
     if not SHARD_NAME.fullmatch(name):
         raise c.fail(field, "a shard file name like 'shard-00000.safetensors' (no directory)", name)
-    path = root / name
-    # Only a file directly in the dataset directory is read. A symlink is followed only when it resolves
-    # to a file in that directory too (a shard linked to another shard of the dataset is accepted);
-    # a link that leads anywhere else is refused before anything is opened.
-    real = os.path.realpath(path)
-    if os.path.dirname(real) != os.path.realpath(root):
-        raise DatasetError(str(path), "file", f"expected a file in the dataset directory, got a link to {real!r}")
-    if not os.path.isfile(real):  # missing, or a directory, FIFO or device: never opened
-        got = (
-            "something else (a directory, FIFO or device)"
-            if os.path.exists(real)
-            else ("no such file (was the dataset rewritten or moved since it was opened? open it again)")
-        )
-        raise DatasetError(str(path), "file", f"expected a regular file, got {got}")
-    try:
-        return safe_open(real, framework="pt")
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise DatasetError(str(path), "header", f"expected a readable safetensors file, got {e}") from e
+    return store.open_safetensors(name)
 
 
-def read_segment(root: str | os.PathLike, segment: dict, layout: Layout) -> tuple[torch.Tensor, list, list]:
+def read_segment(store: Store, segment: dict, layout: Layout) -> tuple[torch.Tensor, list, list]:
     """Read one segment's ``(frame_idx, tensor leaves, JSON leaves)``, touching only its rows.
 
-    The segment, the shard's path and header, and the group's tensors are checked against
+    The segment, the shard's name and header, and the group's tensors are checked against
     ``layout`` first; a malformed one raises `DatasetError`.
     """
-    root = Path(root)
-    c = Check(root)
+    c = Check(store.where)
     shard, group, lo, count = check_segment(segment, c, "segment")
-    s = Check(root / shard)
-    with open_shard(root, shard, c, "segment.shard") as f:
+    s = Check(store.path(shard))
+    with open_shard(store, shard, c, "segment.shard") as f:
         desc = shard_groups(f, s).get(group)
         if desc is None or check_layout(desc, s, f"__metadata__.groups[{group!r}]") != layout:
             raise s.fail(f"__metadata__.groups[{group!r}]", layout.describe(), desc)

@@ -46,8 +46,6 @@ _WIDENED = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.fl
 _MAX_ARRAY_DIMS = 5  # datasets has Array2D .. Array5D
 
 
-
-
 def _frame_idx_only(layout: Layout) -> Layout:
     """A layout with no leaves: `read_rows` then reads a segment's frame indexes and nothing else."""
     return Layout(layout.kind, layout.cls, ())
@@ -413,9 +411,12 @@ def _generate(dataset: Dataset, names: list[str], labels: tuple[str, ...]) -> It
 def _fingerprint(dataset: Dataset, names: Sequence[str], features: Any) -> str:
     """What the rows depend on: the index, each shard's size and mtime, the filenames and features."""
     h = hashlib.sha256(json.dumps(dataset.index, sort_keys=True).encode())
-    for shard in sorted(dataset.index["shards"]):
-        st = os.stat(dataset.path / shard)
-        h.update(f"{shard}:{st.st_size}:{st.st_mtime_ns};".encode())
+    for shard, entry in sorted(dataset.index["shards"].items()):
+        if "sha256" in entry:
+            h.update(f"{shard}:{entry['sha256']};".encode())
+        else:  # an index before version 5: the file's size and time
+            st = os.stat(dataset.store.path(shard))
+            h.update(f"{shard}:{st.st_size}:{st.st_mtime_ns};".encode())
     h.update(json.dumps(list(names)).encode())
     h.update(json.dumps(features.to_dict(), sort_keys=True).encode())
     return h.hexdigest()[:32]

@@ -19,10 +19,11 @@ rule. The index maps each filename to its segments
 rows. A one-shot `save` gives each filename one segment; a streaming
 `tdgather.Collector` may give it one per shard it wrote while frames arrived.
 
-Writes go to a staging directory ``<name>.partial`` beside the target. Every
-file is written to a temporary name, fsynced, renamed, and the directory
-fsynced; the index comes last; then the staging directory is moved into place.
-What may be replaced, and how, is `tdgather.storage.outdir`'s (the output directory's rules).
+Where the files go, and how the dataset is committed, is the output's (`output_at`): a local
+directory (`tdgather.storage.local`: staged in ``<name>.partial``, each file renamed into place,
+the index last, then the directory moved into place) or an object store prefix
+(`tdgather.storage.prefix`: shards written in place under names of their own, the index last, in
+one PUT). Every shard is listed in the index with its size and sha256.
 """
 
 from __future__ import annotations
@@ -43,25 +44,19 @@ from ..core.plan import Mismatches
 from ..core.ragged import Ragged, joined, offsets_of
 from ..core.runs import in_runs
 from ..errors import FrameConflictError, OutputError, ShapeMismatchError
-from ..format.names import (
-    FORMAT,
-    INCOMPLETE_NAME,
-    INDEX_NAME,
-    SHARD_NAME,
-    SHARD_VERSION,
-    group_names,
-    index_version,
-    next_number,
-    shard_name,
-)
+from ..format.names import FORMAT, SHARD_VERSION, group_names, index_version, next_number, shard_name
 from ..format.records import Attempt, Failure, IndexMeta, ShardRecord
 from .atomic import LocalFS
 from .catalog import UNKNOWN, Catalog
-from .outdir import check_output, lock_dir, publish, remove_ours, staging_of
-from .recovery import RunState, from_shards, load_state, new_run
+from .encode import safetensors_chunks
+from .local import LocalOutput
+from .location import store_at
+from .prefix import PrefixOutput
+from .recovery import RunState, from_shards
 from .segments import cat_columns, read_segment
+from .store import Store
 
-__all__ = ["DEFAULT_SHARD_BYTES", "DatasetWriter"]
+__all__ = ["DEFAULT_SHARD_BYTES", "DatasetWriter", "output_at"]
 
 DEFAULT_SHARD_BYTES = 1 << 30
 
@@ -71,21 +66,21 @@ class DatasetWriter:
 
     Call order (rank ``dst`` only):
 
-    1. ``DatasetWriter(path, ...)`` checks the output and opens ``<path>.partial``;
+    1. ``DatasetWriter(path, ...)`` checks the output (`output_at`: a local directory, staged in
+       ``<path>.partial``, or an object store URL with ``storage_options``);
     2. ``write(frames)`` any number of times: each call writes one or more shards (their fsync and
        rename into place run on a background thread, overlapping what comes next). A filename
        may appear in several calls; its frames then form several segments, and a frame already
        written is compared with its copy on disk and resolved by the duplicates policy (the
        copy on disk stays; the new one is dropped and counted, or refused);
-    3. ``commit()`` waits until every shard is durable, writes the index and moves the dataset
-       into place; or ``abort()``, which
-       keeps the committed shards in ``<path>.partial`` and writes no index there, only (given
+    3. ``commit()`` waits until every shard is durable, writes the index and puts the dataset in
+       place; or ``abort()``, which keeps the committed shards and writes no index, only (given
        the failure) ``tdgather.incomplete.json``, which lists them.
 
     With several writers (`tdgather.format.parts`, `tdgather.storage.combine`), ``writer`` numbers
-    this writer's shards; the coordinator's writer calls ``combine`` with the others' reports before ``commit``. Another
-    writer is a ``part`` (the run id and attempt the coordinator gave): it writes into the
-    coordinator's ``<path>.partial`` without checking or locking it, its ``commit`` writes no index
+    this writer's shards; the coordinator's writer calls ``combine`` with the others' reports before
+    ``commit``. Another writer is a ``part`` (the run id and attempt the coordinator gave): it writes
+    into the coordinator's output without checking or locking it, its ``commit`` writes no index
     (``report`` lists its shards), and its ``abort`` writes no record (the coordinator does).
     """
 
@@ -100,58 +95,40 @@ class DatasetWriter:
         writer: int | None = None,
         part: tuple[str, int] | None = None,
         fs: LocalFS | None = None,
+        storage_options: dict | None = None,
+        store: Store | None = None,
     ) -> None:
-        self.fs = fs or LocalFS()  # every file goes through it: the seam for faults and other stores
+        self.out = output_at(path, storage_options, fs, store)  # where the files go, and how they are committed
         self.policy = DuplicatePolicy.of(duplicates)
         self.max_shard_bytes = max_shard_bytes
         self.writer, self.part = writer, part
         if part is not None:  # one writer's part of a dataset the coordinator opened (`tdgather.format.parts`)
-            self.target = Path(path)
-            self.staging = staging_of(self.target)
-            self._lock = None
-            if not self.staging.is_dir():
-                raise OutputError(
-                    f"{str(self.staging)!r}, which rank dst made, is not there as this rank sees it: with "
-                    "ranks_per_writer, every writer writes into one output directory, on a filesystem all of them "
-                    "share (or use one Collector per node, each with its own path)"
-                )
+            existing = self.out.open_part()
             state = RunState(part[0])
-            existing = [n for n in os.listdir(self.staging) if SHARD_NAME.fullmatch(n)]
         else:
-            self.target = check_output(path, overwrite, resume)
-            self.staging = staging_of(self.target)
-            state = self._open_staging(overwrite, resume)
+            state = self.out.open(overwrite, resume)
             existing = list(state.shards)
-        # resuming a complete dataset replaces it with one that holds all its frames
-        self.overwrite = overwrite or (resume and (self.target / INDEX_NAME).is_file())
+        self.target = self.out.target
         self.run, self.attempts, self.attempt = state.run, state.attempts, part[1] if part else state.attempt
         self.saved = state.to_saved()  # what earlier attempts saved, as every rank gets it
         self.shards: dict[str, dict] = state.shards
+        self._digest_saved()
         self.catalog = Catalog()  # per filename: layout, frames written (as runs), segments, senders
         self.catalog.load(state.files, state.layouts, state.written)
         self._saved_frames = self.frames
-        self._next_shard = next_number(existing, writer)
+        self._tag = (self.run, self.attempt) if self.out.tag else None  # object stores: names of this attempt's own
+        self._next_shard = 0 if self._tag else next_number(existing, writer)
         self.duplicates = DuplicateCounts()  # copies dropped against frames already on disk
         self._syncer: ThreadPoolExecutor | None = None  # makes shards durable while the next is written
         self._syncing: list[tuple[str, Future]] = []
         self._failed: list[str] = []  # shards whose last step failed: never listed
+        self._mine: list[str] = []  # the shards this attempt wrote
 
-    def _open_staging(self, overwrite: bool, resume: bool) -> RunState:
-        """Lock ``<path>.partial`` (no other job writes there now); what it holds to continue from, or a fresh one."""
-        self._lock = lock_dir(self.staging) if self.staging.is_dir() else None
-        try:
-            state = load_state(self.target, self.staging, overwrite) if resume else None
-            if state is None:
-                remove_ours(self.staging)  # check_output allowed only tdgather's own files there
-                self.staging.mkdir()
-                self._unlock()  # the removed directory's
-                state = RunState(new_run())
-            if self._lock is None:  # a new staging directory (fresh, or made from a complete dataset)
-                self._lock = lock_dir(self.staging)
-        except BaseException:
-            self._unlock()
-            raise
-        return state
+    def _digest_saved(self) -> None:
+        """Size and sha256 of each saved shard whose record has none (a killed attempt's; an older tdgather's)."""
+        for name, entry in self.shards.items():
+            if "sha256" not in entry:
+                entry.update(self.out.store.digest(name)._asdict())
 
     @property
     def frames(self) -> int:
@@ -206,12 +183,14 @@ class DatasetWriter:
         return [self._write_shard(shard) for shard in shards if shard]
 
     def _write_shard(self, shard: list[_Item]) -> str:
-        name_of_shard = shard_name(self.writer, self._next_shard)
+        name_of_shard = shard_name(self.writer, self._next_shard, self._tag)
         self._next_shard += 1
         groups, entries, segments = _shard_tensors(shard)
         record = [[item.name, *s] for item, s in zip(shard, segments, strict=True)]
         meta = ShardRecord(name_of_shard, groups, record, self.run, self.attempt).to_metadata()
-        self.fs.write_safetensors(self.staging / name_of_shard, entries, meta, then=self._in_background(name_of_shard))
+        chunks = safetensors_chunks(entries, meta)
+        written = self.out.store.put(name_of_shard, chunks, then=self._in_background(name_of_shard))
+        self._mine.append(name_of_shard)
         for item, (group, start, frames) in zip(shard, segments, strict=True):
             segment = {"shard": name_of_shard, "group": group, "start": start, "frames": frames}
             self.catalog.add(item.name, item.layout, segment, item.idx, item.runs, item.rank)
@@ -219,6 +198,7 @@ class DatasetWriter:
             "frames": sum(item.idx.numel() for item in shard),
             "bytes": sum(_frame_bytes(item.layout, item.idx, item.tensors) for item in shard),
             "groups": groups,
+            **written._asdict(),  # size and sha256, listed in the index
         }
         return name_of_shard
 
@@ -270,7 +250,7 @@ class DatasetWriter:
             layout = items[segs[0][1]].layout
             for lo, hi, window in _windows(segs, layout):
                 window_seg = {"shard": shard, "group": group, "start": lo, "frames": hi - lo}
-                old_idx, old_tensors, old_json = read_segment(self.staging, window_seg, layout)
+                old_idx, old_tensors, old_json = read_segment(self.out.store, window_seg, layout)
                 self._compare_window(items, window, lo, layout, old_idx, old_tensors, old_json)
 
     def _compare_window(
@@ -316,57 +296,56 @@ class DatasetWriter:
         return conflict(item.name, int(item.idx[pos]), how, self.policy, f"{first} and {later}", where)
 
     def report(self) -> dict[str, dict]:
-        """A writer's part (`tdgather.format.parts`): once every shard is durable, its frames, bytes and file size."""
+        """A writer's part (`tdgather.format.parts`): once its shards are durable, their frames, bytes, size, sha256."""
         self._settle()
-        return {
-            name: {**{k: v for k, v in entry.items() if k != "groups"}, "size": (self.staging / name).stat().st_size}
-            for name, entry in self.shards.items()
-        }
+        return {name: {k: v for k, v in entry.items() if k != "groups"} for name, entry in self.shards.items()}
 
     def combine(self, parts: Mapping[int, Mapping[str, dict]]) -> DuplicateCounts:
         """The coordinator's step before ``commit``: take every writer's shards, as ``{writer: report}``.
 
-        Each shard reported must be in ``<path>.partial`` as this rank sees it, at the size its writer
-        wrote. Every shard's own record is read back (checked as `tdgather.open` checks a dataset),
-        copies of one frame held by several writers are resolved by the policy, and the result is what
-        ``commit`` lists. Returns the copies dropped.
+        Each shard reported must be in the output (``<path>.partial``, or the object store prefix) as
+        this rank sees it, at the size its writer wrote. Every shard's own record is read back (checked
+        as `tdgather.open` checks a dataset), copies of one frame held by several writers are resolved
+        by the policy, and the result is what ``commit`` lists. Returns the copies dropped.
 
         Raises:
             OutputError: a shard reported is missing or of another size (the output is not shared).
             DuplicateFrameError, ShapeMismatchError: copies the policy refuses; two layouts for a filename.
         """
         self._settle()
+        store = self.out.store
+        sums = {name: entry for name, entry in self.shards.items()}
         for writer, shards in parts.items():
             for name, entry in shards.items():
-                path = self.staging / name
-                size = path.stat().st_size if path.is_file() else None
+                size = store.size(name)
                 if size != entry["size"]:
                     seen = "is missing" if size is None else f"has {size} bytes"
                     raise OutputError(
-                        f"writer {writer} wrote {name} ({entry['size']} bytes) into {str(self.staging)!r}, which here "
-                        f"{seen}: with ranks_per_writer, the output must be on a filesystem every writer shares"
+                        f"writer {writer} wrote {name} ({entry['size']} bytes) into {store.where!r}, which here "
+                        f"{seen}: with ranks_per_writer, the output must be one every writer reaches (a shared "
+                        "filesystem, or an object store URL)"
                     )
-        names = sorted({*self.shards, *(name for shards in parts.values() for name in shards)})
+                sums[name] = entry
+        names = sorted(sums)
         if not names:  # no writer had a frame: an empty dataset
             return DuplicateCounts()
-        state = from_shards(self.staging, names, policy=self.policy, frames=False)
+        state = from_shards(store, names, policy=self.policy, frames=False)
+        for name, entry in state.shards.items():  # each shard's size and sha256, as its writer put it
+            entry.update(size=sums[name]["size"], sha256=sums[name]["sha256"])
         self.shards, self.catalog = state.shards, Catalog()
         self.catalog.load(state.files, state.layouts, state.written)
         return state.duplicates
 
-    def commit(self, metadata: Mapping[str, Any] | None = None) -> Path:
-        """Write the index (last), then move the dataset into place; return its path.
+    def commit(self, metadata: Mapping[str, Any] | None = None) -> Path | str:
+        """Write the index (last), then put the dataset in place; return its path (or URL).
 
         A writer's part (``part``) writes no index: it only waits until its shards are durable.
         """
         self._settle()
         if self.part is not None:
-            return self.staging
-        (self.staging / INCOMPLETE_NAME).unlink(missing_ok=True)  # an earlier attempt's record
-        self.fs.write_atomic(self.staging / INDEX_NAME, self._index(metadata))
-        publish(self.staging, self.target, self.overwrite, self.fs.exchange)
-        self._unlock()
-        return self.target
+            self.out.close()
+            return self.out.store.where
+        return self.out.commit(self._index(metadata), self.shards)
 
     def set_policy(self, policy: DuplicatePolicy) -> None:
         """The duplicates policy for the writes that follow."""
@@ -375,19 +354,12 @@ class DatasetWriter:
     def discard(self) -> None:
         """Remove what this run wrote, unless it was committed; for a caller that still holds the frames (`save`)."""
         self._settle(raise_first=False)
-        if not (self.staging / INDEX_NAME).exists():
-            remove_ours(self.staging)
-        self._unlock()
-
-    def _unlock(self) -> None:
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
+        self.out.discard(self._mine)
 
     def abort(
         self, failure: BaseException | None = None, metadata: Mapping[str, Any] | None = None, rank: int | None = None
-    ) -> Path:
-        """Stop: the committed shards stay in ``<path>.partial``; return that path.
+    ) -> Path | str:
+        """Stop: the committed shards stay (in ``<path>.partial``, or under the prefix); return where.
 
         With ``failure``, an index of what was committed is written there as ``tdgather.incomplete.json``
         (never ``tdgather.index.json``), naming the failure, so ``tdgather.open(path, incomplete=True)``
@@ -398,14 +370,13 @@ class DatasetWriter:
         for name in failed:  # a shard that never became durable is not listed
             self.shards.pop(name, None)
         self.catalog.drop_shards(set(failed))
+        record = None
         if failure is not None and self.part is None:  # a writer's failure goes to the coordinator, who records it
             who = getattr(failure, "rank", None)
             if who is None and not isinstance(failure, FrameConflictError):
                 who = rank
             record = self._index(metadata, Failure(type(failure).__name__, str(failure), who))
-            self.fs.write_atomic(self.staging / INCOMPLETE_NAME, record)
-        self._unlock()
-        return self.staging
+        return self.out.abort(record)
 
     def _in_background(self, shard: str) -> Callable[[Callable[[], None]], None]:
         def submit(finish: Callable[[], None]) -> None:
@@ -448,6 +419,7 @@ class DatasetWriter:
             run=self.run,
             attempts=(*self.attempts, this),
             failure=failure,
+            replaces=self.out.replaces,
             **(metadata or {}),
         )
         version = index_version(self.shards)
@@ -604,3 +576,10 @@ def _frame_bytes(layout: Layout, idx: torch.Tensor, tensors: list) -> int:
     return idx.numel() * layout.frame_nbytes + sum(t.nbytes for t in tensors if isinstance(t, Ragged))
 
 
+def output_at(path: Any, storage_options: dict | None = None, fs: LocalFS | None = None, store: Store | None = None):
+    """Where a dataset at ``path`` is written: a `PrefixOutput` for an object store URL, else a `LocalOutput`.
+
+    ``fs``: the local filesystem seam; ``store``: the object store itself (a test's double), for a URL.
+    """
+    store = store or store_at(path, storage_options)
+    return LocalOutput(path, fs) if store.local else PrefixOutput(store)

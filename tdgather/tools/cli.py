@@ -67,8 +67,18 @@ def _demo(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from ..storage.reader import Dataset
 
-    ds = Dataset(args.path, incomplete=args.incomplete)
-    ds.verify()  # every shard's header, against the index: what open() checks lazily
+    ds = Dataset(args.path, incomplete=args.incomplete, storage_options=args.storage_options)
+    checked = ds.verify(checksums=args.verify)  # every header, against the index; --verify: every byte too
+    if args.verify:
+        unchecked = len(ds.index["shards"]) - checked
+        print(
+            f"verified: {checked} shard(s) match the size and sha256 the index records"
+            + (
+                f"; {unchecked} recorded none (an older tdgather, or a failed run): headers checked"
+                if unchecked
+                else ""
+            )
+        )
     if args.frames is not None:
         return _inspect_frames(ds, args.frames)
     names = list(ds)
@@ -192,6 +202,7 @@ def _stats(t: Any) -> str:
 
 def _export_hf(args: argparse.Namespace) -> int:
     """Write a dataset as Hugging Face ``datasets``: ``save_to_disk`` (Arrow) or Parquet shards."""
+    from ..storage.location import is_url
     from ..storage.reader import Dataset
     from ..storage.views import to_hf
 
@@ -199,10 +210,10 @@ def _export_hf(args: argparse.Namespace) -> int:
     if out.exists():
         print(f"tdgather: {str(out)!r} exists; choose a new directory (export-hf never replaces one)", file=sys.stderr)
         return 1
-    if Path(os.path.realpath(out)).is_relative_to(os.path.realpath(args.path)):
+    if not is_url(args.path) and Path(os.path.realpath(out)).is_relative_to(os.path.realpath(args.path)):
         print(f"tdgather: {str(out)!r} is inside the dataset {args.path!r}; write it beside", file=sys.stderr)
         return 1
-    ds = Dataset(args.path)
+    ds = Dataset(args.path, storage_options=args.storage_options)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".tdgather-hf-", dir=out.parent) as cache:  # beside OUT, not in ~
         hf = to_hf(ds, cache_dir=cache, filenames=args.filenames)
@@ -254,10 +265,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds before the job is stopped")
     demo.set_defaults(run=_demo)
     inspect = sub.add_parser("inspect", help="print a saved dataset's filenames, frame counts, shapes and size")
-    inspect.add_argument("path")
+    inspect.add_argument("path", help="a dataset directory, or an object store URL (s3://bucket/prefix, ...)")
     inspect.add_argument("--limit", type=int, default=50, help="filenames to list (default 50)")
     inspect.add_argument("--all", action="store_true", help="list every filename")
-    inspect.add_argument("--incomplete", action="store_true", help="what a failed run saved in PATH.partial")
+    inspect.add_argument(
+        "--incomplete",
+        action="store_true",
+        help="what a failed run saved (in PATH.partial; under a URL, beside the dataset)",
+    )
+    inspect.add_argument("--verify", action="store_true", help="read every shard whole: size and sha256 vs the index")
+    _storage_options(inspect)
     inspect.add_argument(
         "--frames", metavar="FILENAME", help="one filename: its frame indexes (as ranges) and per-leaf statistics"
     )
@@ -274,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     export.add_argument(
         "--filenames", nargs="+", metavar="FILENAME", help="export only these (filenames whose layouts differ: apart)"
     )
+    _storage_options(export)
     export.set_defaults(run=_export_hf)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
@@ -285,6 +303,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TdgatherError, OSError) as e:
         print(f"tdgather: {e}", file=sys.stderr)
         return 1
+
+
+def _storage_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--storage-options",
+        type=_json_object,
+        metavar="JSON",
+        help='for a URL: fsspec options, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+    )
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _positive(text: str) -> int:

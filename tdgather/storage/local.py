@@ -1,0 +1,103 @@
+"""`LocalOutput`: how a dataset is committed to a local (or mounted) directory.
+
+Shards are written into ``<name>.partial`` beside the target (`tdgather.storage.outdir` has the
+rules: what may be replaced, the lock, deleting only tdgather's files). The index is written
+last; then the staging directory is moved into place in one step, or exchanged with an old
+dataset atomically. A failed run leaves its shards there, listed in ``tdgather.incomplete.json``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..errors import OutputError
+from ..format.names import INCOMPLETE_NAME, INDEX_NAME
+from .atomic import LocalFS
+from .location import local_path
+from .outdir import check_output, lock_dir, publish, remove_ours, staging_of
+from .recovery import RunState, load_state, new_run, shard_files
+from .store import LocalStore
+
+__all__ = ["LocalOutput"]
+
+
+class LocalOutput:
+    """A dataset directory on a local filesystem: staged in ``<name>.partial``, moved into place.
+
+    Attributes:
+        target: the dataset directory.
+        store: the staging directory, where shards are written.
+        tag: shard names carry their run (never: a run's staging directory is its own).
+        overwrite: an existing dataset is replaced at commit.
+    """
+
+    tag = False
+    replaces = None
+
+    def __init__(self, path: Any, fs: LocalFS | None = None) -> None:
+        self.target = local_path(path)
+        self.staging = staging_of(self.target)
+        self.fs = fs or LocalFS()
+        self.store = LocalStore(self.staging, self.fs)
+        self.overwrite = False
+        self._lock: int | None = None
+
+    def open(self, overwrite: bool, resume: bool) -> RunState:
+        """Check the output, lock ``<path>.partial``; return what it holds to continue from, or a fresh run."""
+        check_output(self.target, overwrite, resume)
+        self._lock = lock_dir(self.staging) if self.staging.is_dir() else None
+        try:
+            state = load_state(self.target, self.staging, overwrite) if resume else None
+            if state is None:
+                remove_ours(self.staging)  # check_output allowed only tdgather's own files there
+                self.staging.mkdir()
+                self.close()  # the removed directory's
+                state = RunState(new_run())
+            if self._lock is None:  # a new staging directory (fresh, or made from a complete dataset)
+                self._lock = lock_dir(self.staging)
+        except BaseException:
+            self.close()
+            raise
+        # resuming a complete dataset replaces it with one that holds all its frames
+        self.overwrite = overwrite or (resume and (self.target / INDEX_NAME).is_file())
+        return state
+
+    def open_part(self) -> list[str]:
+        """Another writer's part: the staging directory rank dst made must be visible; its shards' names."""
+        if not self.staging.is_dir():
+            raise OutputError(
+                f"{str(self.staging)!r}, which rank dst made, is not there as this rank sees it: with "
+                "ranks_per_writer, every writer writes into one output directory, on a filesystem all of them "
+                "share (or write to an object store URL, or use one Collector per node, each with its own path)"
+            )
+        return shard_files(self.store)
+
+    def commit(self, index: Iterable[bytes], shards: Iterable[str]) -> Path:
+        """Write the index, then move the dataset into place; return its path."""
+        (self.staging / INCOMPLETE_NAME).unlink(missing_ok=True)  # an earlier attempt's record
+        self.fs.write_atomic(self.staging / INDEX_NAME, index)
+        publish(self.staging, self.target, self.overwrite, self.fs.exchange)
+        self.close()
+        return self.target
+
+    def abort(self, record: Iterable[bytes] | None) -> Path:
+        """Keep the shards in ``<path>.partial``, with the incomplete record if given; return that path."""
+        if record is not None:
+            self.fs.write_atomic(self.staging / INCOMPLETE_NAME, record)
+        self.close()
+        return self.staging
+
+    def discard(self, shards: Iterable[str]) -> None:
+        """Remove ``<path>.partial`` and what it holds (tdgather's files only), unless it was committed."""
+        if not (self.staging / INDEX_NAME).exists():
+            remove_ours(self.staging)
+        self.close()
+
+    def close(self) -> None:
+        """Release the lock on ``<path>.partial``."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None

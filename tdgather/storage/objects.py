@@ -1,0 +1,281 @@
+"""`ObjectStore`: a dataset's files in an object store, through fsspec (``s3://``, ``gs://``, ``az://``, ``memory://``).
+
+An object store has no rename and no directory: an object appears whole when its upload
+completes, or not at all. So a shard is streamed up as a multipart upload that is completed
+only once every byte is sent (``autocommit=False``; an error aborts it, and nothing appears),
+and a file in hand (the index, a record) is one PUT. Memory stays bounded: chunks are cut to
+`BLOCK_BYTES` before they reach the upload, whose buffer holds about one block.
+
+Shards are read by byte ranges (`RangeShard`): the 8-byte length, the header, then only the
+rows asked for. Everything read is checked before use: the header's length, every tensor's
+dtype, shape and byte range against the object's size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..core.dtypes import SAFETENSORS_CODE
+from ..errors import DatasetError, OutputError
+from .store import Written, hashed
+
+__all__ = ["BLOCK_BYTES", "ObjectStore", "RangeShard"]
+
+BLOCK_BYTES = 8 << 20  # one multipart part (S3 takes 5 MiB at least); chunks are cut to it before the upload
+_HEADER_MAX = 100 << 20  # safetensors' own limit on a header
+_DTYPE = {code: dtype for dtype, code in SAFETENSORS_CODE.items()}
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
+
+
+class ObjectStore:
+    """The objects under one prefix of an fsspec URL; `tdgather.storage.store.Store` for object stores."""
+
+    local = False
+
+    def __init__(self, url: str, storage_options: dict | None = None, block_bytes: int = BLOCK_BYTES) -> None:
+        scheme = url.split("://", 1)[0].lower()
+        try:
+            from fsspec.core import url_to_fs
+
+            self.fs, root = url_to_fs(url, **(storage_options or {}))
+        except ImportError as e:
+            extra = _EXTRAS.get(scheme)
+            how = f"pip install 'tdgather[{extra}]'" if extra else f"install the fsspec backend for {scheme}://"
+            raise ImportError(f"writing or reading {url!r} needs {e.name or 'fsspec'}: {how}") from e
+        self.root = root.rstrip("/")
+        self.where = url.rstrip("/")
+        self.block_bytes = block_bytes
+
+    def path(self, name: str) -> str:
+        """``url/name``."""
+        return f"{self.where}/{name}"
+
+    def _key(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def list(self) -> dict[str, int]:
+        """Every object under the prefix (nested ones as ``sub/name``); the prefix itself an object: ``{".": size}``."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            found = self.fs.find(self.root, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for key, info in found.items():
+            key = self.fs._strip_protocol(key).rstrip("/")
+            name = key[len(self.root) + 1 :] if key.startswith(self.root + "/") else "."
+            out[name] = int(info.get("size") or 0)
+        return out
+
+    def size(self, name: str) -> int | None:
+        """The object's size, or None where there is none."""
+        key = self._key(name)
+        self.fs.invalidate_cache(key)
+        try:
+            info = self.fs.info(key)
+        except FileNotFoundError:
+            return None
+        return int(info["size"]) if info.get("type") == "file" else None
+
+    def read(self, name: str) -> bytes:
+        """The whole object."""
+        try:
+            return self.fs.cat_file(self._key(name))
+        except FileNotFoundError:
+            raise DatasetError(self.path(name), "object", _GONE) from None
+
+    def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of the object, all of them or a `DatasetError`."""
+        if end <= start:
+            return b""
+        try:
+            data = self.fs.cat_file(self._key(name), start=start, end=end)
+        except FileNotFoundError:
+            raise DatasetError(self.path(name), "object", _GONE) from None
+        if len(data) != end - start:
+            raise DatasetError(self.path(name), "object", f"expected bytes {start}..{end}, got {len(data)} bytes")
+        return data
+
+    def open_safetensors(self, name: str) -> RangeShard:
+        """The shard's header, read and checked; its rows are read by ranges as asked for."""
+        return RangeShard(self, name)
+
+    def digest(self, name: str) -> Written:
+        """The object's size and sha256, streamed a block at a time."""
+        h, size = hashlib.sha256(), 0
+        try:
+            with self.fs.open(self._key(name), "rb", block_size=self.block_bytes) as fh:
+                while block := fh.read(self.block_bytes):
+                    h.update(block)
+                    size += len(block)
+        except FileNotFoundError:
+            raise DatasetError(self.path(name), "object", _GONE) from None
+        return Written(size, h.hexdigest())
+
+    def put(self, name: str, chunks: Iterable, then: Callable[[Callable[[], None]], None] | None = None) -> Written:
+        """Upload an object from its chunks: it appears whole once complete, or not at all.
+
+        ``then`` is not used: an object is durable when its upload completes.
+        """
+        from fsspec.spec import AbstractBufferedFile
+
+        h, count = hashlib.sha256(), [0]
+        key = self._key(name)
+        if isinstance(chunks, list) and len(chunks) == 1:
+            data = bytes(chunks[0])  # a file in hand (the index, a record): one PUT (s3fs: up to 5 GiB)
+            try:
+                self.fs.pipe_file(key, data)
+            except OSError as e:
+                raise OutputError(
+                    f"writing {self.path(name)!r} failed ({e}); objects already committed stay valid"
+                ) from e
+            return Written(len(data), hashlib.sha256(data).hexdigest())
+        try:
+            f = self.fs.open(key, "wb", block_size=self.block_bytes, autocommit=False)
+            if not isinstance(f, AbstractBufferedFile):  # no multipart upload (memory://): one PUT of the bytes
+                f.discard()
+                self.fs.pipe_file(key, b"".join(bytes(c) for c in hashed(chunks, h, count)))
+                return Written(count[0], h.hexdigest())
+            try:
+                for chunk in hashed(chunks, h, count):
+                    view = memoryview(chunk).cast("B")
+                    for at in range(0, len(view), self.block_bytes):  # the upload buffer stays one block
+                        f.write(view[at : at + self.block_bytes])
+                f.close()  # the last part; the upload is not complete yet
+                f.commit()
+            except BaseException:
+                f.discard()  # the multipart upload is aborted: no object appears
+                f.closed = True
+                raise
+        except OSError as e:
+            raise OutputError(f"writing {self.path(name)!r} failed ({e}); objects already committed stay valid") from e
+        return Written(count[0], h.hexdigest())
+
+    def remove(self, name: str) -> None:
+        """Remove the object, if it is there."""
+        try:
+            self.fs.rm_file(self._key(name))
+        except FileNotFoundError:
+            pass
+
+
+_GONE = "no such object (was the dataset rewritten since it was opened? open it again)"
+
+
+class RangeShard:
+    """A safetensors object read by byte ranges, with the calls tdgather makes of ``safe_open``.
+
+    Opening reads the 8-byte header length and the header, and checks every tensor's dtype,
+    shape and data range against the object's size; ``get_slice(name)[lo:hi]`` then reads rows
+    ``lo:hi`` only.
+    """
+
+    def __init__(self, store: ObjectStore, name: str) -> None:
+        self.store, self.name = store, name
+        where = store.path(name)
+        size = store.size(name)
+        if size is None:
+            raise DatasetError(where, "object", _GONE)
+        if size < 8:
+            raise DatasetError(where, "header", f"expected a safetensors file (at least 8 bytes), got {size} bytes")
+        (n,) = struct.unpack("<Q", store.read_range(name, 0, 8))
+        if n > min(_HEADER_MAX, size - 8):
+            raise DatasetError(where, "header", f"expected a header length within the object's {size} bytes, got {n}")
+        try:
+            header = json.loads(store.read_range(name, 8, 8 + n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DatasetError(where, "header", f"expected a JSON header, got {e}") from e
+        if not isinstance(header, dict):
+            raise DatasetError(where, "header", f"expected a JSON object, got {type(header).__name__}")
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            raise DatasetError(where, "header.__metadata__", "expected str -> str")
+        self._meta = meta
+        self._base = 8 + n
+        self._tensors: dict[str, tuple[str, list[int], int, int]] = {}
+        data = size - self._base
+        for key, desc in header.items():
+            if not isinstance(desc, dict) or set(desc) != {"dtype", "shape", "data_offsets"}:
+                raise DatasetError(where, f"header[{key!r}]", "expected {dtype, shape, data_offsets}")
+            code, shape, offsets = desc["dtype"], desc["shape"], desc["data_offsets"]
+            ok = (
+                code in _DTYPE
+                and isinstance(shape, list)
+                and all(type(d) is int and d >= 0 for d in shape)
+                and isinstance(offsets, list)
+                and len(offsets) == 2
+                and all(type(o) is int for o in offsets)
+            )
+            if not ok or not 0 <= offsets[0] <= offsets[1] <= data:
+                expected = f"expected a dtype, shape and range in 0..{data}, got {desc}"
+                raise DatasetError(where, f"header[{key!r}]", expected)
+            numel = 1
+            for d in shape:
+                numel *= d
+            if offsets[1] - offsets[0] != numel * _DTYPE[code].itemsize:
+                raise DatasetError(where, f"header[{key!r}]", f"expected {numel} {code} values' bytes, got {desc}")
+            self._tensors[key] = (code, shape, offsets[0], offsets[1])
+
+    def __enter__(self) -> RangeShard:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def metadata(self) -> dict[str, str]:
+        """The header's ``__metadata__``."""
+        return dict(self._meta)
+
+    def keys(self) -> list[str]:
+        """The tensor names, sorted."""
+        return sorted(self._tensors)
+
+    def get_slice(self, key: str) -> _Slice:
+        """A tensor, unread: its dtype and shape, and rows read on indexing."""
+        if key not in self._tensors:
+            raise DatasetError(self.store.path(self.name), "header", f"expected a tensor {key!r}, got none")
+        return _Slice(self, key)
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        """A whole tensor."""
+        return self.get_slice(key)[:]
+
+    def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` (clamped to the tensor) of ``key``, read by one byte range."""
+        code, shape, start, end = self._tensors[key]
+        dtype = _DTYPE[code]
+        n = shape[0] if shape else 1
+        lo, hi = max(0, min(lo, n)), max(0, min(hi, n))
+        hi = max(lo, hi)
+        row = (end - start) // n if n else 0
+        data = self.store.read_range(self.name, self._base + start + lo * row, self._base + start + hi * row)
+        out = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        return out.reshape(hi - lo, *shape[1:]) if shape else out.reshape(())
+
+
+class _Slice:
+    """One tensor of a `RangeShard`: ``get_dtype()``, ``get_shape()``, ``[lo:hi]`` on its first dimension."""
+
+    def __init__(self, shard: RangeShard, key: str) -> None:
+        self.shard, self.key = shard, key
+
+    def get_dtype(self) -> str:
+        return self.shard._tensors[self.key][0]
+
+    def get_shape(self) -> list[int]:
+        return list(self.shard._tensors[self.key][1])
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        shape = self.get_shape()
+        if not shape:
+            return self.shard.rows(self.key, 0, 1)
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError(f"a RangeShard reads a slice of rows lo:hi, got {index!r}")
+        lo, hi, _ = index.indices(shape[0])
+        return self.shard.rows(self.key, lo, hi)

@@ -1,0 +1,301 @@
+"""Object store outputs (`tdgather.storage.objects`, `tdgather.storage.prefix`): any fsspec URL.
+
+Against a real S3 API on localhost (moto's server, through s3fs, as a user would) in real gloo
+worlds: a Collector, gather + save, resume after a rank or rank dst (mid-upload) is SIGKILLed, bit
+for bit against an uninterrupted local run (through `tdgather.open`, and through plain safetensors
+reading of the downloaded shards); many writers with no shared filesystem; overwrite; a shard
+altered after commit; a prefix with no index. And ``memory://`` in one process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+import tdgather
+from tdgather.errors import DatasetError, OutputError
+from tdgather.format.names import INCOMPLETE_NAME, INDEX_NAME, SHARD_NAME
+from tdgather.storage.recovery import saved_at
+from tdgather.tools.cli import main as cli
+from tdgather.tools.launch import WorldError, run_local_world
+
+from . import resume_cases as rc
+from .cases import bits
+from .s3 import new_bucket, s3_server
+from .test_resume import assert_same_dataset
+
+pytestmark = pytest.mark.world
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """storage_options for a moto S3 server on a free port, for the module's tests."""
+    with s3_server() as options:
+        yield options
+
+
+@pytest.fixture
+def url(s3) -> str:
+    return f"s3://{new_bucket(s3)}/preds/depth"
+
+
+def s3fs_of(options: dict):
+    import s3fs
+
+    return s3fs.S3FileSystem(**options, skip_instance_cache=True)
+
+
+def objects(options: dict, url: str) -> list[str]:
+    fs = s3fs_of(options)
+    root = url.removeprefix("s3://")
+    return sorted(p[len(root) + 1 :] for p in fs.find(root))
+
+
+def download(options: dict, url: str, to: Path) -> Path:
+    """The dataset's objects as a local directory (what a user gets with ``aws s3 cp --recursive``)."""
+    s3fs_of(options).get(url.removeprefix("s3://") + "/", str(to) + "/", recursive=True)
+    return to
+
+
+def attempt(url: str, options: dict, resume: bool, kill: dict | None = None) -> list:
+    args = (rc.case_run, 3, url, resume, kill, 4, "same", None, options)
+    if kill is None:
+        return run_local_world(*args, timeout=150)
+    with pytest.raises(WorldError) as e:
+        run_local_world(*args, timeout=150)
+    assert e.value.failures[kill["rank"]] == "exited with code -9 and no result", e.value.failures
+    return e.value.results
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run, to a local directory."""
+    out = tmp_path_factory.mktemp("ref") / "ds"
+    run_local_world(rc.case_run, 3, str(out), False, None, timeout=150)
+    return out
+
+
+def assert_same_on_s3(options: dict, url: str, reference: Path, tmp: Path) -> None:
+    """Through `tdgather.open` on the URL, and on a download read by plain safetensors: the reference's frames."""
+    ds, want = tdgather.open(url, storage_options=options), tdgather.open(reference)
+    assert sorted(ds) == sorted(want)
+    for name in want:
+        assert torch.equal(ds[name].frame_idx, want[name].frame_idx)
+        for leaf in ("depth", "feat"):
+            assert torch.equal(bits(ds[name].frames[leaf]), bits(want[name].frames[leaf])), (name, leaf)
+    assert ds.verify() == len(ds.index["shards"]) > 0  # every shard's size and sha256
+    assert_same_dataset(download(options, url, tmp / "downloaded"), reference)
+
+
+def test_a_collector_writes_to_s3_what_it_writes_locally(s3, url, reference, tmp_path):
+    attempt(url, s3, resume=False)
+    names = objects(s3, url)
+    assert names[-1] == INDEX_NAME and all(SHARD_NAME.fullmatch(n) for n in names[:-1])
+    run = tdgather.open(url, storage_options=s3).metadata["run"]
+    assert all(f".{run[:12]}-1." in n for n in names[:-1])  # named by run and attempt: never another's
+    index = json.loads(s3fs_of(s3).cat_file(url.removeprefix("s3://") + "/" + INDEX_NAME))
+    assert index["version"] == 5
+    sizes = {
+        p.rsplit("/", 1)[1]: i["size"] for p, i in s3fs_of(s3).find(url.removeprefix("s3://"), detail=True).items()
+    }
+    assert all(entry["size"] == sizes[name] for name, entry in index["shards"].items())
+    assert_same_on_s3(s3, url, reference, tmp_path)
+    assert not s3fs_of(s3).call_s3("list_multipart_uploads", Bucket=url.split("/")[2]).get("Uploads")
+
+
+def test_gather_and_save_to_s3(s3, url):
+    results = run_local_world(rc.case_gather_save, 2, url, s3, timeout=120)
+    ds = tdgather.open(url, storage_options=s3)
+    assert sorted(ds) == ["clip_0.mp4", "clip_1.mp4"]
+    for r in range(2):
+        got = ds[f"clip_{r}.mp4"]
+        assert got.frame_idx.tolist() == [0, 1, 2]
+        assert torch.equal(got.frames["depth"], torch.full((3, 2, 2), float(r)))
+    assert results[0]["saved"] == url and results[1]["saved"] is None
+
+
+def test_a_rank_killed_then_resumed_on_s3_equals_the_uninterrupted_run(s3, url, reference, tmp_path):
+    attempt(url, s3, resume=False, kill={"rank": 1, "batch": 4})
+    names = objects(s3, url)
+    assert INDEX_NAME not in names and INCOMPLETE_NAME in names  # no commit: the failure's record instead
+    with pytest.raises(OutputError, match="incomplete=True"):
+        tdgather.open(url, storage_options=s3)
+    first = tdgather.open(url, incomplete=True, storage_options=s3).metadata["total_frames"]
+    assert 0 < first < 87
+    r = attempt(url, s3, resume=True)
+    assert {x["saved_frames"] for x in r} == {first}
+    assert_same_on_s3(s3, url, reference, tmp_path)
+    a = tdgather.open(url, storage_options=s3).metadata["attempts"]
+    assert [x["frames"] for x in a] == [first, 87 - first] and a[0]["failure"]["rank"] == 1
+    assert INCOMPLETE_NAME not in objects(s3, url)  # the commit removed the record
+
+
+def test_rank_dst_killed_mid_upload_then_resumed(s3, url, reference, tmp_path):
+    attempt(url, s3, resume=False, kill={"rank": 0, "write": 4})
+    names = objects(s3, url)
+    assert len(names) == 3 and all(SHARD_NAME.fullmatch(n) for n in names)  # the 4th upload never completed
+    saved = saved_at(url, storage_options=s3).num_frames
+    assert saved > 0  # read back from the shards' own records, in the store
+    assert tdgather.open(url, incomplete=True, storage_options=s3).metadata["total_frames"] == saved
+    attempt(url, s3, resume=True)
+    assert_same_on_s3(s3, url, reference, tmp_path)
+    a = tdgather.open(url, storage_options=s3).metadata["attempts"]
+    assert a[0]["failure"]["type"] == "Unrecorded" and [x["frames"] for x in a] == [saved, 87 - saved]
+    assert {n.split(".")[1].rsplit("-", 1)[1] for n in objects(s3, url) if SHARD_NAME.fullmatch(n)} == {"1", "2"}
+
+
+def test_many_writers_share_no_filesystem(s3, url, reference, tmp_path):
+    scratch = tmp_path / "scratch"  # each rank runs in its own empty directory under it
+    scratch.mkdir()
+    results = run_local_world(rc.case_run_in_scratch, 4, str(scratch), url, 2, s3, timeout=150)
+    assert all(r["scratch"] == [] for r in results)  # nothing was written on any rank's disk
+    writers = {n.split("-")[1] for n in objects(s3, url) if SHARD_NAME.fullmatch(n)}
+    assert writers == {"00000", "00001"}  # both writers uploaded shards of their own
+    assert_same_on_s3(s3, url, reference, tmp_path)
+
+
+def frames(value: float, names=("a.mp4", "b.mp4")) -> tdgather.Gathered:
+    store = tdgather.FrameStore()
+    for name in names:
+        store.add([name] * 3, [0, 1, 2], {"depth": torch.full((3, 4), value)})
+    return tdgather.gather(store)
+
+
+def test_overwrite_replaces_only_a_tdgather_prefix(s3, url):
+    tdgather.save(frames(1.0), url, storage_options=s3)
+    old = objects(s3, url)
+    with pytest.raises(OutputError, match="overwrite=True"):
+        tdgather.save(frames(2.0), url, storage_options=s3)
+    assert objects(s3, url) == old
+    tdgather.save(frames(2.0), url, storage_options=s3, overwrite=True)
+    new = objects(s3, url)
+    assert not set(old) & set(new[:-1]) and len(new) == len(old)  # the old shards removed, by name
+    assert torch.equal(tdgather.open(url, storage_options=s3)["a.mp4"].frames["depth"], torch.full((3, 4), 2.0))
+    fs = s3fs_of(s3)
+    for foreign in ("notes.txt", "sub/shard-00000.safetensors"):
+        fs.pipe_file(url.removeprefix("s3://") + "/" + foreign, b"mine")
+        with pytest.raises(OutputError, match=f"did not write \\('{foreign}'\\)"):
+            tdgather.save(frames(3.0), url, storage_options=s3, overwrite=True)
+        assert fs.cat_file(url.removeprefix("s3://") + "/" + foreign) == b"mine"
+        fs.rm_file(url.removeprefix("s3://") + "/" + foreign)
+    assert objects(s3, url) == new  # refused before anything was written
+
+
+def test_a_shard_altered_after_commit_is_caught_by_verify(s3, url, capsys):
+    tdgather.save(frames(1.0), url, storage_options=s3)
+    fs = s3fs_of(s3)
+    shard = next(n for n in objects(s3, url) if SHARD_NAME.fullmatch(n))
+    key = url.removeprefix("s3://") + "/" + shard
+    data = bytearray(fs.cat_file(key))
+    data[-1] ^= 0x01  # one bit of the last value: the header still checks out
+    fs.pipe_file(key, bytes(data))
+    ds = tdgather.open(url, storage_options=s3)
+    assert ds["a.mp4"].frame_idx.tolist() == [0, 1, 2]  # a lazy read does not read every byte
+    with pytest.raises(DatasetError, match=f"{shard}: sha256: expected sha256 "):
+        ds.verify()
+    options = json.dumps(s3)
+    assert cli(["inspect", url, "--storage-options", options]) == 0
+    assert cli(["inspect", url, "--storage-options", options, "--verify"]) == 1
+    assert "sha256" in capsys.readouterr().err
+
+
+def test_a_prefix_without_an_index_is_no_dataset(s3, url):
+    with pytest.raises(OutputError, match="no tdgather.index.json \\(nothing is stored under that prefix"):
+        tdgather.open(url, storage_options=s3)
+    with pytest.raises(OutputError, match="no failed run saved anything"):
+        tdgather.open(url, incomplete=True, storage_options=s3)
+
+
+# ---- memory:// in one process -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def mem() -> str:
+    import uuid
+
+    return f"memory://tdgather-test-{uuid.uuid4().hex[:8]}/ds"
+
+
+def test_memory_url_failed_collector_then_resume(mem):
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with tdgather.Collector(mem, max_shard_bytes=1) as col:
+            col.add(["a.mp4"] * 2, [0, 1], {"depth": torch.ones(2, 3)})
+            col.add(["b.mp4"], [0], {"depth": torch.zeros(1, 3)})
+            raise Boom("the loop failed")
+    failed = tdgather.open(mem, incomplete=True)
+    assert failed.metadata["failure"]["type"] == "Boom" and failed.metadata["total_frames"] == 3
+    with tdgather.Collector(mem, resume=True) as col:
+        assert col.saved.num_frames == 3
+        col.add(["a.mp4", "c.mp4"], [2, 0], {"depth": torch.full((2, 3), 2.0)})
+    ds = tdgather.open(mem)
+    assert ds["a.mp4"].frame_idx.tolist() == [0, 1, 2] and sorted(ds) == ["a.mp4", "b.mp4", "c.mp4"]
+    assert [a["frames"] for a in ds.metadata["attempts"]] == [3, 2]
+    assert ds.verify() == len(ds.index["shards"])
+    fs = fsspec.filesystem("memory")
+    assert not any(INCOMPLETE_NAME in p for p in fs.find(mem.removeprefix("memory://")))
+
+
+def test_reading_is_lazy_byte_ranges(mem):
+    store = tdgather.FrameStore()
+    for v in range(20):
+        store.add([f"v{v}.mp4"] * 4, range(4), {"depth": torch.full((4, 64, 64), float(v))})
+    tdgather.save(tdgather.gather(store), mem)
+    ds = tdgather.open(mem)
+    fs = ds.store.fs
+    shard = next(iter(ds.index["shards"]))
+    total = fs.size(ds.store._key(shard))
+    calls = []
+    real = fs.cat_file
+
+    def counted(path, start=None, end=None, **kw):
+        data = real(path, start=start, end=end, **kw)
+        calls.append(len(data))
+        return data
+
+    fs.cat_file = counted
+    try:
+        got = ds["v7.mp4"]
+        item = ds.per_frame()[30]
+    finally:
+        del fs.cat_file
+    assert torch.equal(got.frames["depth"], torch.full((4, 64, 64), 7.0))
+    assert item is not None
+    assert 0 < sum(calls) < total // 8  # the header and the rows asked for, not the shard
+    assert max(calls) <= 4 * 64 * 64 * 4
+
+
+def test_storage_options_with_a_local_path_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="storage_options.*local path"):
+        tdgather.save(frames(1.0), tmp_path / "ds", storage_options={"key": "x"})
+    with pytest.raises(ValueError, match="storage_options.*local path"):
+        tdgather.Collector(tmp_path / "ds", storage_options={"key": "x"})
+
+
+def test_a_file_url_is_the_local_path(tmp_path):
+    out = tdgather.save(frames(1.0), f"file://{tmp_path}/ds")
+    assert Path(out) == tmp_path / "ds" and (tmp_path / "ds" / INDEX_NAME).is_file()
+    assert tdgather.open(f"file://{tmp_path}/ds")["b.mp4"].frame_idx.tolist() == [0, 1, 2]
+
+
+def test_two_runs_committing_one_prefix_never_break_the_last_index(mem):
+    """No lock exists in an object store: a run's commit removes only its own and the replaced run's shards."""
+    from tdgather.storage.writer import DatasetWriter
+
+    a = DatasetWriter(mem)
+    b = DatasetWriter(mem)  # started before a commits: both see an empty prefix
+    a.write(frames(1.0))
+    b.write(frames(2.0, names=("c.mp4",)))
+    a.commit()
+    assert sorted(tdgather.open(mem)) == ["a.mp4", "b.mp4"]
+    b.commit()  # the last index wins, whole: its shards were not removed by a's commit
+    ds = tdgather.open(mem)
+    assert sorted(ds) == ["c.mp4"] and torch.equal(ds["c.mp4"].frames["depth"], torch.full((3, 4), 2.0))
+    assert ds.verify() == 1
+    assert sorted(tdgather.open(mem, incomplete=True)) == ["a.mp4", "b.mp4"]  # a's shards, unlisted, kept
