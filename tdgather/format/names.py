@@ -118,7 +118,7 @@ def group_names(group: str, layout: Layout, version: int) -> GroupNames:
 FORMAT = "tdgather"  # the index's and every shard's "format"
 INDEX_VERSION = 3  # the index version a single writer writes (3: shards record their segments, run and attempt)
 WRITERS_VERSION = 4  # ... several writers: shard names carry the writer
-CHECKSUM_VERSION = 5  # every writer since: shards listed with size and sha256; names may carry their run
+CHECKSUM_VERSION = 5  # every writer since: shards listed with their size (and sha256); names may carry their run
 VERSIONS = (1, 2, INDEX_VERSION, WRITERS_VERSION, CHECKSUM_VERSION)  # the index versions this tdgather reads
 SHARD_VERSION = "2"  # a shard's __metadata__.version: how its tensors are named (below)
 SHARD_VERSIONS = ("1", SHARD_VERSION)  # the shard versions this tdgather reads
@@ -169,9 +169,10 @@ def next_number(names: Iterable[str], writer: int | None) -> int:
 def index_version(shards: Mapping[str, Mapping]) -> int:
     """The index version of a dataset of these shards (name -> entry).
 
-    5 when each is listed with its size and checksum, else 4 when a name carries its writer, else 3.
+    5 when each is listed with its size (and, in an object store, sha256), else 4 when a name carries
+    its writer, else 3.
     """
-    if shards and all("sha256" in entry for entry in shards.values()):
+    if shards and all("size" in entry for entry in shards.values()):
         return CHECKSUM_VERSION
     return WRITERS_VERSION if any(shard_numbers(name)[0] is not None for name in shards) else INDEX_VERSION
 

@@ -27,7 +27,7 @@ __all__ = ["check_part", "check_run", "counts_of"]
 def check_part(obj: Any, src: int, writer: int) -> dict:
     """A writer's report, checked as hostile input: shard names of writer ``writer`` only, counts.
 
-    ``{"shards": {name: {"frames", "bytes", "size", "sha256"}}, "frames_per_rank": [[rank, frames], ...],
+    ``{"shards": {name: {"frames", "bytes", "size"[, "sha256"]}}, "frames_per_rank": [[rank, frames], ...],
     "duplicates": {"exact", "inexact", "max_abs_diff"}}``; raises `ProtocolError` naming ``src``.
     """
     c = ProtocolCheck(src)
@@ -38,10 +38,14 @@ def check_part(obj: Any, src: int, writer: int) -> dict:
         f = f"done.part.shards[{name!r}]"
         if not (SHARD_NAME.fullmatch(name) and shard_numbers(name)[0] == writer):
             raise c.fail(f, f"a shard name of writer {writer}, like {shard_name(writer, 0)!r}", name)
-        c.obj(entry, f, {"frames", "bytes", "size", "sha256"})
+        c.obj(
+            entry,
+            f,
+            {"frames", "bytes", "size"} | ({"sha256"} if isinstance(entry, dict) and "sha256" in entry else set()),
+        )
         for k in ("frames", "bytes", "size"):
             c.int(entry[k], f"{f}.{k}")
-        if not (isinstance(entry["sha256"], str) and SHA256.fullmatch(entry["sha256"])):
+        if "sha256" in entry and not (isinstance(entry["sha256"], str) and SHA256.fullmatch(entry["sha256"])):
             raise c.fail(f"{f}.sha256", "64 lowercase hex digits", entry["sha256"])
     for i, pair in enumerate(c.list(part["frames_per_rank"], "done.part.frames_per_rank")):
         rank, frames = c.list(pair, f"done.part.frames_per_rank[{i}]", 2)

@@ -101,7 +101,7 @@ class ShardEntry:
         bytes: the tensor bytes of those frames.
         groups: each group's layout (``g<k>`` -> `Layout`), as its ``__metadata__`` records it.
         size: the shard file's size in bytes (index version 5 on; None before).
-        sha256: the sha256 of the whole file, 64 lowercase hex digits (index version 5 on; None before).
+        sha256: the sha256 of the whole file, 64 lowercase hex digits (object stores, version 5 on; else None).
     """
 
     frames: int
@@ -114,20 +114,18 @@ class ShardEntry:
     def from_json(cls, obj: Any, c: Any, where: str) -> ShardEntry:
         """A shard entry read from the index, every field and group layout checked."""
         keys = {"frames", "bytes", "groups"}
-        if isinstance(obj, dict) and ("size" in obj or "sha256" in obj):
-            keys |= {"size", "sha256"}
+        if isinstance(obj, dict):
+            keys |= {"size", "sha256"} & set(obj) | ({"size"} if "sha256" in obj else set())
         c.obj(obj, where, keys)
         groups = {}
         for g, desc in c.mapping(obj["groups"], f"{where}.groups").items():
             if not GROUP_NAME.fullmatch(g):
                 raise c.fail(f"{where}.groups", "group names like 'g0'", g)
             groups[g] = decode_layout(desc, c, f"{where}.groups[{g!r}]")
-        size = sha = None
-        if "size" in keys:
-            size = c.int(obj["size"], f"{where}.size")
-            sha = obj["sha256"]
-            if not (isinstance(sha, str) and SHA256.fullmatch(sha)):
-                raise c.fail(f"{where}.sha256", "64 lowercase hex digits", sha)
+        size = c.int(obj["size"], f"{where}.size") if "size" in keys else None
+        sha = obj.get("sha256")
+        if "sha256" in keys and not (isinstance(sha, str) and SHA256.fullmatch(sha)):
+            raise c.fail(f"{where}.sha256", "64 lowercase hex digits", sha)
         return cls(c.int(obj["frames"], f"{where}.frames"), c.int(obj["bytes"], f"{where}.bytes"), groups, size, sha)
 
 

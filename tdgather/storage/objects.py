@@ -3,7 +3,7 @@
 An object store has no rename and no directory: an object appears whole when its upload
 completes, or not at all. So a shard is streamed up as a multipart upload that is completed
 only once every byte is sent (``autocommit=False``; an error aborts it, and nothing appears),
-and a file in hand (the index, a record) is one PUT. Memory stays bounded: chunks are cut to
+and what fits in one block (the index, a record, a small shard) is one PUT. Memory stays bounded: chunks are cut to
 `BLOCK_BYTES` before they reach the upload, whose buffer holds about one block.
 
 Shards are read by byte ranges (`RangeShard`): the 8-byte length, the header, then only the
@@ -13,10 +13,11 @@ dtype, shape and byte range against the object's size.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -121,41 +122,47 @@ class ObjectStore:
     def put(self, name: str, chunks: Iterable, then: Callable[[Callable[[], None]], None] | None = None) -> Written:
         """Upload an object from its chunks: it appears whole once complete, or not at all.
 
-        ``then`` is not used: an object is durable when its upload completes.
+        What fits in one block (the index, a record, a small shard) is one PUT; more is a multipart
+        upload of blocks, completed once every part is sent, aborted on any error. ``then`` is not
+        used: an object is durable when its upload completes.
         """
+        h, count = hashlib.sha256(), [0]
+        pieces = iter(hashed(_blocks(chunks, self.block_bytes), h, count))
+        first = bytearray()
+        for piece in pieces:
+            first += piece
+            if len(first) >= self.block_bytes:
+                break
+        else:  # the whole object is in hand
+            self._write(name, functools.partial(self.fs.pipe_file, self._key(name), bytes(first)))
+            return Written(count[0], h.hexdigest())
+        self._write(name, functools.partial(self._multipart, name, first, pieces))
+        return Written(count[0], h.hexdigest())
+
+    def _multipart(self, name: str, first: bytearray, rest: Iterator) -> None:
         from fsspec.spec import AbstractBufferedFile
 
-        h, count = hashlib.sha256(), [0]
-        key = self._key(name)
-        if isinstance(chunks, list) and len(chunks) == 1:
-            data = bytes(chunks[0])  # a file in hand (the index, a record): one PUT (s3fs: up to 5 GiB)
-            try:
-                self.fs.pipe_file(key, data)
-            except OSError as e:
-                raise OutputError(
-                    f"writing {self.path(name)!r} failed ({e}); objects already committed stay valid"
-                ) from e
-            return Written(len(data), hashlib.sha256(data).hexdigest())
+        f = self.fs.open(self._key(name), "wb", block_size=self.block_bytes, autocommit=False)
+        if not isinstance(f, AbstractBufferedFile):  # no multipart upload (memory://): one PUT of the bytes
+            f.discard()
+            self.fs.pipe_file(self._key(name), bytes(first) + b"".join(bytes(p) for p in rest))
+            return
         try:
-            f = self.fs.open(key, "wb", block_size=self.block_bytes, autocommit=False)
-            if not isinstance(f, AbstractBufferedFile):  # no multipart upload (memory://): one PUT of the bytes
-                f.discard()
-                self.fs.pipe_file(key, b"".join(bytes(c) for c in hashed(chunks, h, count)))
-                return Written(count[0], h.hexdigest())
-            try:
-                for chunk in hashed(chunks, h, count):
-                    view = memoryview(chunk).cast("B")
-                    for at in range(0, len(view), self.block_bytes):  # the upload buffer stays one block
-                        f.write(view[at : at + self.block_bytes])
-                f.close()  # the last part; the upload is not complete yet
-                f.commit()
-            except BaseException:
-                f.discard()  # the multipart upload is aborted: no object appears
-                f.closed = True
-                raise
+            f.write(first)
+            for piece in rest:
+                f.write(piece)
+            f.close()  # the last part; the upload is not complete yet
+            f.commit()
+        except BaseException:
+            f.discard()  # the multipart upload is aborted: no object appears
+            f.closed = True
+            raise
+
+    def _write(self, name: str, upload: Callable[[], None]) -> None:
+        try:
+            upload()
         except OSError as e:
             raise OutputError(f"writing {self.path(name)!r} failed ({e}); objects already committed stay valid") from e
-        return Written(count[0], h.hexdigest())
 
     def remove(self, name: str) -> None:
         """Remove the object, if it is there."""
@@ -163,6 +170,14 @@ class ObjectStore:
             self.fs.rm_file(self._key(name))
         except FileNotFoundError:
             pass
+
+
+def _blocks(chunks: Iterable, size: int) -> Iterator[memoryview]:
+    """The chunks' bytes in pieces of at most ``size`` (views: nothing is copied)."""
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        for at in range(0, len(view), size):
+            yield view[at : at + size]
 
 
 _GONE = "no such object (was the dataset rewritten since it was opened? open it again)"

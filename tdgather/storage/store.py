@@ -30,10 +30,14 @@ __all__ = ["LocalStore", "Store", "Written", "hashed"]
 
 
 class Written(NamedTuple):
-    """A file as it was put: its size in bytes and the sha256 of those bytes (hex)."""
+    """A file as it was put: its size in bytes and the sha256 of those bytes (hex; None where not computed)."""
 
     size: int
-    sha256: str
+    sha256: str | None
+
+    def entry(self) -> dict:
+        """The keys the index lists for a shard: ``size``, and ``sha256`` where it was computed."""
+        return {"size": self.size} if self.sha256 is None else {"size": self.size, "sha256": self.sha256}
 
 
 class Store(Protocol):
@@ -72,9 +76,10 @@ class Store(Protocol):
 
 
 def hashed(chunks: Iterable, digest: Any, count: list[int]) -> Iterator:
-    """``chunks`` as they are, each added to ``digest`` (a hashlib object) and its length to ``count[0]``."""
+    """``chunks`` as they are, each added to ``digest`` (a hashlib object, or None) and its length to ``count[0]``."""
     for chunk in chunks:
-        digest.update(chunk)
+        if digest is not None:
+            digest.update(chunk)
         count[0] += len(chunk)
         yield chunk
 
@@ -83,14 +88,18 @@ class LocalStore:
     """A directory on a local (or mounted) filesystem: files renamed into place, shards mapped.
 
     Only files directly in the directory are opened; a link is followed only to a file in it.
+    ``checksums``: ``put`` computes each file's sha256 as it writes it. Off by default: hashing
+    costs more than writing to the page cache (docs/object-storage.md has the figures), and a
+    local write is already atomic and durable; sizes are always recorded.
     """
 
     local = True
 
-    def __init__(self, root: str | os.PathLike, fs: LocalFS | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, fs: LocalFS | None = None, checksums: bool = False) -> None:
         self.root = Path(root)
         self.where = str(self.root)
         self.fs = fs or LocalFS()
+        self.checksums = checksums
 
     def path(self, name: str) -> str:
         """``root/name``."""
@@ -152,9 +161,9 @@ class LocalStore:
 
     def put(self, name: str, chunks: Iterable, then: Callable[[Callable[[], None]], None] | None = None) -> Written:
         """Write through `LocalFS.write_atomic` (temporary name, fsync, rename, fsync the directory)."""
-        h, count = hashlib.sha256(), [0]
+        h, count = (hashlib.sha256() if self.checksums else None), [0]
         self.fs.write_atomic(self.root / name, hashed(chunks, h, count), then)
-        return Written(count[0], h.hexdigest())
+        return Written(count[0], None if h is None else h.hexdigest())
 
     def remove(self, name: str) -> None:
         """Unlink the file, if it is there."""

@@ -23,7 +23,7 @@ Where the files go, and how the dataset is committed, is the output's (`output_a
 directory (`tdgather.storage.local`: staged in ``<name>.partial``, each file renamed into place,
 the index last, then the directory moved into place) or an object store prefix
 (`tdgather.storage.prefix`: shards written in place under names of their own, the index last, in
-one PUT). Every shard is listed in the index with its size and sha256.
+one PUT). Every shard is listed in the index with its size, and in an object store its sha256.
 """
 
 from __future__ import annotations
@@ -125,10 +125,13 @@ class DatasetWriter:
         self._mine: list[str] = []  # the shards this attempt wrote
 
     def _digest_saved(self) -> None:
-        """Size and sha256 of each saved shard whose record has none (a killed attempt's; an older tdgather's)."""
+        """Size (and sha256, in an object store) of each saved shard listed without (a killed attempt's; older)."""
+        store = self.out.store
         for name, entry in self.shards.items():
-            if "sha256" not in entry:
-                entry.update(self.out.store.digest(name)._asdict())
+            if not store.local and "sha256" not in entry:
+                entry.update(store.digest(name).entry())
+            elif "size" not in entry:
+                entry["size"] = store.size(name)
 
     @property
     def frames(self) -> int:
@@ -198,7 +201,7 @@ class DatasetWriter:
             "frames": sum(item.idx.numel() for item in shard),
             "bytes": sum(_frame_bytes(item.layout, item.idx, item.tensors) for item in shard),
             "groups": groups,
-            **written._asdict(),  # size and sha256, listed in the index
+            **written.entry(),  # size (and sha256), listed in the index
         }
         return name_of_shard
 
@@ -330,8 +333,8 @@ class DatasetWriter:
         if not names:  # no writer had a frame: an empty dataset
             return DuplicateCounts()
         state = from_shards(store, names, policy=self.policy, frames=False)
-        for name, entry in state.shards.items():  # each shard's size and sha256, as its writer put it
-            entry.update(size=sums[name]["size"], sha256=sums[name]["sha256"])
+        for name, entry in state.shards.items():  # each shard's size (and sha256), as its writer put it
+            entry.update({k: sums[name][k] for k in ("size", "sha256") if k in sums[name]})
         self.shards, self.catalog = state.shards, Catalog()
         self.catalog.load(state.files, state.layouts, state.written)
         return state.duplicates

@@ -74,7 +74,7 @@ def _inspect(args: argparse.Namespace) -> int:
         print(
             f"verified: {checked} shard(s) match the size and sha256 the index records"
             + (
-                f"; {unchecked} recorded none (an older tdgather, or a failed run): headers checked"
+                f"; {unchecked} listed without one (a local dataset, or a failed run): header and size checked"
                 if unchecked
                 else ""
             )
@@ -273,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="what a failed run saved (in PATH.partial; under a URL, beside the dataset)",
     )
-    inspect.add_argument("--verify", action="store_true", help="read every shard whole: size and sha256 vs the index")
+    inspect.add_argument("--verify", action="store_true", help="read every shard whole: its sha256 vs the index")
     _storage_options(inspect)
     inspect.add_argument(
         "--frames", metavar="FILENAME", help="one filename: its frame indexes (as ranges) and per-leaf statistics"
