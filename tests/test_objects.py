@@ -299,3 +299,10 @@ def test_two_runs_committing_one_prefix_never_break_the_last_index(mem):
     assert sorted(ds) == ["c.mp4"] and torch.equal(ds["c.mp4"].frames["depth"], torch.full((3, 4), 2.0))
     assert ds.verify() == 1
     assert sorted(tdgather.open(mem, incomplete=True)) == ["a.mp4", "b.mp4"]  # a's shards, unlisted, kept
+
+
+def test_a_missing_bucket_is_named_before_any_frame_moves(s3):
+    with pytest.raises(OutputError, match="the bucket 'no-such-bucket' does not exist"):
+        tdgather.Collector("s3://no-such-bucket/preds", storage_options=s3).open()
+    with pytest.raises(OutputError, match="the bucket 'no-such-bucket' does not exist"):
+        tdgather.open("s3://no-such-bucket/preds", storage_options=s3)

@@ -51,6 +51,7 @@ class ObjectStore:
             raise ImportError(f"writing or reading {url!r} needs {e.name or 'fsspec'}: {how}") from e
         self.root = root.rstrip("/")
         self.where = url.rstrip("/")
+        self.scheme = scheme
         self.block_bytes = block_bytes
 
     def path(self, name: str) -> str:
@@ -65,7 +66,8 @@ class ObjectStore:
         self.fs.invalidate_cache(self.root)
         try:
             found = self.fs.find(self.root, detail=True, withdirs=False)
-        except FileNotFoundError:
+        except FileNotFoundError as e:
+            self._check_bucket(e)
             return {}
         out = {}
         for key, info in found.items():
@@ -73,6 +75,15 @@ class ObjectStore:
             name = key[len(self.root) + 1 :] if key.startswith(self.root + "/") else "."
             out[name] = int(info.get("size") or 0)
         return out
+
+    def _check_bucket(self, error: Exception) -> None:
+        """Raise `OutputError` where the URL's bucket (S3, GCS, Azure) does not exist: nothing could be written."""
+        bucket = self.root.split("/", 1)[0]
+        if self.scheme in _EXTRAS and not self.fs.exists(bucket):
+            raise OutputError(
+                f"{self.where!r}: the bucket {bucket!r} does not exist, or these storage_options do not reach it: "
+                "create it, or check the URL and storage_options (endpoint_url, credentials)"
+            ) from error
 
     def size(self, name: str) -> int | None:
         """The object's size, or None where there is none."""
