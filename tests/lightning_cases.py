@@ -70,7 +70,7 @@ def spawn_keys(batch, batch_indices, dataloader_idx):
 
 
 def loaders(case: str) -> list[DataLoader]:
-    if case in ("many", "writers"):
+    if case in ("many", "writers", "memory"):
         sets = [samples(9, fields=True, seed=1), samples(3, fields=True, seed=2), samples(7, fields=False, seed=3)]
     elif case == "spawn":
         sets = [samples(7, fields=False, seed=3)]
@@ -86,6 +86,8 @@ def run(case: str, out: Path, devices: int) -> None:
         writer = PredictionWriter(out / "preds_{dataloader_idx}", timeout=60, ranks_per_writer=1)
     elif case == "spawn":
         writer = PredictionWriter(out / "preds", keys=spawn_keys, timeout=60)
+    elif case == "memory":  # an object store URL, with storage_options passed through to each Collector
+        writer = PredictionWriter(f"memory://{out.name}/preds_{{dataloader_idx}}", timeout=60, storage_options={})
     else:
         writer = PredictionWriter(out / "preds", timeout=60)
     strategy = "ddp_spawn" if case == "spawn" and devices > 1 else ("ddp" if devices > 1 else "auto")

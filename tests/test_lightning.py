@@ -100,6 +100,12 @@ def test_ddp_three_dataloaders_equal_one_process(runs, single):
     assert [r["error"] for r in records] == [None, None]
 
 
+def test_a_url_with_storage_options_gives_the_same_datasets(tmp_path, single):
+    lightning_cases.run("memory", tmp_path, 1)
+    for k in range(3):
+        _assert_same(tdgather.open(f"memory://{tmp_path.name}/preds_{k}"), tdgather.open(single / f"preds_{k}"))
+
+
 @pytest.mark.world
 @pytest.mark.timeout(300)
 def test_ddp_with_a_writer_per_rank_equals_one_process(runs, single):
