@@ -41,3 +41,33 @@ def case_sigterm(out: str, mode: str) -> dict:
 
 def run(out: Path, mode: str) -> list:
     return run_local_world(case_sigterm, 2, str(out), mode, timeout=120)
+
+
+def case_sigterm_during_abort(out: str) -> dict:
+    """Rank 1 raises; rank 0, aborting, gets SIGTERM (as torchrun sends it) while it writes its incomplete record."""
+    import functools
+
+    from tdgather.storage.atomic import LocalFS
+    from tdgather.storage.writer import DatasetWriter
+
+    sent = []
+
+    class SigtermAtRecord(LocalFS):
+        def write_atomic(self, path, chunks, then=None):
+            if path.name == "tdgather.incomplete.json":
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, at once
+            return super().write_atomic(path, chunks, then)
+
+    rank = dist.get_rank()
+    sink = functools.partial(DatasetWriter, fs=SigtermAtRecord()) if rank == 0 else None
+    try:
+        with tdgather.Collector(out, timeout=60, progress=False, sink=sink) as col:
+            col.add([f"r{rank}_{i}.jpg" for i in range(200)], [0] * 200, torch.rand(200, 64))
+            if rank == 1:
+                raise RuntimeError("rank 1 fails")  # rank 0 learns it in close(), and aborts
+    except SystemExit as e:
+        return {"exit": e.code, "sigterm_sent": bool(sent)}
+    except (tdgather.PeerError, RuntimeError) as e:
+        return {"error": type(e).__name__, "sigterm_sent": bool(sent)}
+    return {"error": None}

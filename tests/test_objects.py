@@ -306,3 +306,20 @@ def test_a_missing_bucket_is_named_before_any_frame_moves(s3):
         tdgather.Collector("s3://no-such-bucket/preds", storage_options=s3).open()
     with pytest.raises(OutputError, match="the bucket 'no-such-bucket' does not exist"):
         tdgather.open("s3://no-such-bucket/preds", storage_options=s3)
+
+
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        ("shard-00000.safetensors", b"not a shard, my own file"),
+        ("shard-00007.abcdefabcdef-1.safetensors", b"mine too"),
+        (INCOMPLETE_NAME, b'{"mine": 1}'),
+    ],
+)
+def test_an_object_named_like_ours_but_not_ours_is_never_removed(mem, name, data):
+    fs = fsspec.filesystem("memory")
+    key = mem.removeprefix("memory://") + "/" + name
+    fs.pipe_file(key, data)
+    with pytest.raises(OutputError, match=f"holds '{name}', named like tdgather's files but not one tdgather wrote"):
+        tdgather.save(frames(1.0), mem, overwrite=True)
+    assert fs.cat_file(key) == data

@@ -69,6 +69,16 @@ def test_sigterm_in_a_local_world_keeps_what_rank0_holds_and_exits_143(tmp_path)
     assert sorted(ds) == sorted(f"r{r}_{i}.jpg" for r in (0, 1) for i in range(20))
 
 
+def test_a_sigterm_during_the_abort_does_not_cut_it_short(tmp_path):
+    """torchrun SIGTERMs rank 0 when a peer dies: rank 0, already writing what it received, finishes."""
+    out = tmp_path / "ds"
+    results = sc.run_local_world(sc.case_sigterm_during_abort, 2, str(out), timeout=120)
+    assert results[0] == {"error": "PeerError", "sigterm_sent": True}  # not Terminated: the SIGTERM was ignored
+    ds = tdgather.open(out, incomplete=True)
+    assert ds.metadata["total_frames"] == 400 and ds.metadata["failure"]["rank"] == 1  # every frame, named
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_a_users_own_sigterm_handler_is_left_alone(tmp_path):
     out = sc.run(tmp_path / "ds", "user")
     assert out[0] == {"handled": True, "after": "user"}, out

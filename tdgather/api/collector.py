@@ -272,6 +272,7 @@ class Collector:
         try:
             summary = side.close()
         except BaseException as e:
+            self._sigterm.hold()  # torchrun's SIGTERM (a peer died) must not cut the abort short
             side.abort(e)
             raise
         finally:
@@ -285,6 +286,7 @@ class Collector:
     def abort(self, exc: BaseException) -> None:
         """Stop because of ``exc``: tell every rank; rank dst keeps what reached it, and writes no index."""
         side, self._side = self._side, None
+        self._sigterm.hold()  # torchrun's SIGTERM (a peer died) must not cut the abort short
         try:
             if side is not None:
                 side.abort(exc)

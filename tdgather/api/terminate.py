@@ -6,8 +6,11 @@ action ends the process at once, and rank dst would lose every frame it holds in
 a Collector is open, `SigtermAsExit` makes SIGTERM raise `tdgather.errors.Terminated` in the main
 thread instead, as SIGINT raises ``KeyboardInterrupt``: the Collector aborts (rank dst writes what
 it holds and the incomplete record; a sender sends what it holds), and the exception ends the
-process with status 143 once it leaves the user's code. A second SIGTERM while that runs is noted
-and ignored (torchrun sends SIGKILL after its grace period, 30 s by default).
+process with status 143 once it leaves the user's code. Once an abort has begun, for whatever
+reason (a SIGTERM, a lost peer, the user's exception), SIGTERM is noted and ignored
+(`SigtermAsExit.hold`): torchrun SIGTERMs every worker as soon as one dies, and that SIGTERM must
+not cut short the write that keeps what rank dst received (torchrun sends SIGKILL after its grace
+period, 30 s by default).
 
 A handler the user installed (any other than the default) is left alone: it decides. The handler
 is installed only from the main thread (Python runs signal handlers there), and removed when the
@@ -33,7 +36,8 @@ class SigtermAsExit:
 
     1. ``install()`` when a Collector opens;
     2. on SIGTERM, `Terminated` is raised where the main thread is; later SIGTERMs are ignored;
-    3. ``remove()`` when it closes or aborts: the default action is back.
+    3. ``hold()`` when an abort begins: from then on SIGTERM is ignored (noted in the log);
+    4. ``remove()`` when it closes or aborts: the default action is back.
     """
 
     def __init__(self) -> None:
@@ -48,6 +52,11 @@ class SigtermAsExit:
             signal.signal(signal.SIGTERM, self._handle)
             self.installed = True
         return self
+
+    def hold(self) -> None:
+        """From now on (an abort is under way), SIGTERM is noted and ignored: it must not cut the abort short."""
+        if self.installed and signal.getsignal(signal.SIGTERM) == self._handle:
+            signal.signal(signal.SIGTERM, self._again)
 
     def remove(self) -> None:
         """Give SIGTERM its default action back, unless another handler replaced ours meanwhile."""

@@ -22,8 +22,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from ..errors import OutputError
-from ..format.names import INCOMPLETE_NAME, INDEX_NAME, RUN_TAG, SHARD_NAME, SHARD_PATTERN, shard_tag
+from ..errors import DatasetError, OutputError
+from ..format.check import Check, load_json
+from ..format.names import FORMAT, INCOMPLETE_NAME, INDEX_NAME, RUN_TAG, SHARD_NAME, SHARD_PATTERN, shard_tag
 from .recovery import RunState, from_index, from_shards, index_runs, loose_shards, new_run
 from .store import Store
 
@@ -56,6 +57,7 @@ class PrefixOutput:
         self.overwrite = False
         self.replaces: str | None = None
         self.run: str | None = None  # known once open
+        self._replaced: set[str] = set()  # the shards the replaced dataset's index lists
 
     def open(self, overwrite: bool, resume: bool) -> RunState:
         """Check the prefix; return what it holds to continue from, or a fresh run (a failed run's objects removed)."""
@@ -67,7 +69,7 @@ class PrefixOutput:
                 "never replaces or deletes what it did not write, even with overwrite=True: choose another prefix, "
                 "or move those objects away"
             )
-        _, index_run, _ = index_runs(self.store)
+        listed, index_run, _ = index_runs(self.store)
         complete = INDEX_NAME in listing
         loose = loose_shards(self.store, listing)
         failed = bool(loose) or INCOMPLETE_NAME in listing and not complete
@@ -90,6 +92,7 @@ class PrefixOutput:
                 )
             state = from_shards(self.store, loose)
             self.overwrite, self.replaces = complete, index_run if index_run != state.run else None
+            self._replaced = listed
             self.run = state.run
             return state
         if resume and complete:
@@ -98,13 +101,32 @@ class PrefixOutput:
             state = from_index(self.store)
             self.run = state.run
             return state
-        for name in loose:  # overwrite=True (or nothing of use): a failed run's objects go now, by name
+        record = [INCOMPLETE_NAME] if INCOMPLETE_NAME in listing else []
+        self._check_ours(loose + record)
+        for name in loose + record:  # overwrite=True (or nothing of use): a failed run's objects go now, by name
             self.store.remove(name)
-        if INCOMPLETE_NAME in listing:
-            self.store.remove(INCOMPLETE_NAME)
-        self.overwrite, self.replaces = complete, index_run
+        self.overwrite, self.replaces, self._replaced = complete, index_run, listed
         self.run = new_run()
         return RunState(self.run)
+
+    def _check_ours(self, names: list[str]) -> None:
+        """Refuse, before anything is removed, an object named like tdgather's that tdgather did not write."""
+        for name in names:
+            try:
+                if name == INCOMPLETE_NAME:
+                    c = Check(self.store.path(name))
+                    ok = c.mapping(load_json(self.store.read(name), c, "index"), "index").get("format") == FORMAT
+                else:
+                    with self.store.open_safetensors(name) as f:
+                        ok = (f.metadata() or {}).get("format") == FORMAT
+            except DatasetError:
+                ok = False
+            if not ok:
+                raise OutputError(
+                    f"output {self.target!r} holds {name!r}, named like tdgather's files but not one tdgather wrote "
+                    "(not a tdgather shard or record); tdgather never deletes what it did not write, even with "
+                    "overwrite=True: choose another prefix, or move it away"
+                )
 
     def open_part(self) -> list[str]:
         """Another writer's part: nothing to check (it writes its own objects); no shard of its tag exists yet."""
@@ -118,8 +140,9 @@ class PrefixOutput:
         for name in sorted(self.store.list()):  # by name, only tdgather's: never anything it did not write
             if name == INCOMPLETE_NAME:
                 self.store.remove(name)
-            elif SHARD_NAME.fullmatch(name) and name not in keep and (shard_tag(name) or ("",))[0] in ours | {""}:
-                self.store.remove(name)  # this run's, the replaced run's, or untagged (a copied dataset's)
+            elif SHARD_NAME.fullmatch(name) and name not in keep:
+                if (shard_tag(name) or ("",))[0] in ours or name in self._replaced:
+                    self.store.remove(name)  # this run's, or the replaced dataset's (untagged: one copied there)
         return self.target
 
     def abort(self, record: Iterable[bytes] | None) -> str:
