@@ -323,3 +323,29 @@ def test_an_object_named_like_ours_but_not_ours_is_never_removed(mem, name, data
     with pytest.raises(OutputError, match=f"holds '{name}', named like tdgather's files but not one tdgather wrote"):
         tdgather.save(frames(1.0), mem, overwrite=True)
     assert fs.cat_file(key) == data
+
+
+def test_dataloader_workers_read_an_s3_dataset_with_fork_and_spawn(s3, url):
+    """fsspec's async filesystems are not fork-safe: a forked worker makes its own."""
+    from torch.utils.data import DataLoader
+
+    from tdgather.storage.views import collate_frames
+
+    tdgather.save(frames(1.0, names=[f"v{i}.mp4" for i in range(4)]), url, storage_options=s3)
+    ds = tdgather.open(url, storage_options=s3)
+    ds["v0.mp4"]  # the parent has used its filesystem (and its event loop) before the workers start
+    for method in ("fork", "spawn"):
+        loader = DataLoader(
+            ds.per_frame(), batch_size=4, num_workers=2, collate_fn=collate_frames, multiprocessing_context=method
+        )
+        got = [b for b in loader]
+        assert sorted((n, int(i)) for b in got for n, i in zip(b["filename"], b["frame_idx"], strict=True)) == sorted(
+            (f"v{v}.mp4", i) for v in range(4) for i in range(3)
+        ), method
+
+
+def test_bad_storage_options_and_a_missing_backend_say_what_to_fix(s3):
+    with pytest.raises(ValueError, match="storage_options=\\['endpoint'\\]: a key the s3:// filesystem does not take"):
+        tdgather.open("s3://bucket/x", storage_options={"endpoint": s3["endpoint_url"]})
+    with pytest.raises(OutputError, match="reading tdgather.index.json failed .* check the URL and storage_options"):
+        tdgather.open("s3://bucket/x", storage_options={**s3, "endpoint_url": "http://127.0.0.1:1"})

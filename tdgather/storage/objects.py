@@ -13,9 +13,11 @@ dtype, shape and byte range against the object's size.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -23,7 +25,7 @@ from typing import Any
 import torch
 
 from ..core.dtypes import SAFETENSORS_CODE
-from ..errors import DatasetError, OutputError
+from ..errors import DatasetError, OutputError, TdgatherError
 from .store import Written, hashed
 
 __all__ = ["BLOCK_BYTES", "ObjectStore", "RangeShard"]
@@ -31,6 +33,7 @@ __all__ = ["BLOCK_BYTES", "ObjectStore", "RangeShard"]
 BLOCK_BYTES = 8 << 20  # one multipart part (S3 takes 5 MiB at least); chunks are cut to it before the upload
 _HEADER_MAX = 100 << 20  # safetensors' own limit on a header
 _DTYPE = {code: dtype for dtype, code in SAFETENSORS_CODE.items()}
+_PACKAGES = {"s3": "s3fs", "gcs": "gcsfs", "azure": "adlfs"}  # each extra's fsspec backend
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 
 
@@ -40,19 +43,44 @@ class ObjectStore:
     local = False
 
     def __init__(self, url: str, storage_options: dict | None = None, block_bytes: int = BLOCK_BYTES) -> None:
-        scheme = url.split("://", 1)[0].lower()
+        self.scheme = url.split("://", 1)[0].lower()
+        self.where = url.rstrip("/")
+        self.block_bytes = block_bytes
+        self._options = dict(storage_options or {})
+        self._fs, root = self._connect(cache=True)
+        self._pid = os.getpid()
+        self.root = root.rstrip("/")
+
+    def _connect(self, cache: bool) -> tuple[Any, str]:
+        """The fsspec filesystem for the URL (a new instance, uncached, in a forked process)."""
         try:
             from fsspec.core import url_to_fs
 
-            self.fs, root = url_to_fs(url, **(storage_options or {}))
+            return url_to_fs(self.where, **self._options, **({} if cache else {"skip_instance_cache": True}))
         except ImportError as e:
-            extra = _EXTRAS.get(scheme)
-            how = f"pip install 'tdgather[{extra}]'" if extra else f"install the fsspec backend for {scheme}://"
-            raise ImportError(f"writing or reading {url!r} needs {e.name or 'fsspec'}: {how}") from e
-        self.root = root.rstrip("/")
-        self.where = url.rstrip("/")
-        self.scheme = scheme
-        self.block_bytes = block_bytes
+            extra = _EXTRAS.get(self.scheme)
+            package = _PACKAGES.get(extra, e.name or "fsspec")
+            how = f"pip install 'tdgather[{extra}]'" if extra else f"install the fsspec backend for {self.scheme}://"
+            raise ImportError(f"writing or reading {self.where!r} needs {package}: {how}") from e
+        except TypeError as e:
+            raise ValueError(
+                f"storage_options={sorted(self._options)}: a key the {self.scheme}:// filesystem does not take ({e}); "
+                "see its documentation for the options it accepts"
+            ) from e
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem; made again in a forked process (a DataLoader worker): its event loop is not ours."""
+        if self._pid != os.getpid():
+            self._fs, _ = self._connect(cache=False)
+            self._pid = os.getpid()
+        return self._fs
+
+    def __getstate__(self) -> dict:
+        """Pickled (a spawned worker) without its filesystem: the copy makes its own."""
+        state = self.__dict__.copy()
+        state["_fs"], state["_pid"] = None, -1
+        return state
 
     def path(self, name: str) -> str:
         """``url/name``."""
@@ -63,18 +91,37 @@ class ObjectStore:
 
     def list(self) -> dict[str, int]:
         """Every object under the prefix (nested ones as ``sub/name``); the prefix itself an object: ``{".": size}``."""
-        self.fs.invalidate_cache(self.root)
-        try:
-            found = self.fs.find(self.root, detail=True, withdirs=False)
-        except FileNotFoundError as e:
-            self._check_bucket(e)
-            return {}
+        with self._errors("listing the prefix"):
+            try:
+                self.fs.invalidate_cache(self.root)
+                found = self.fs.find(self.root, detail=True, withdirs=False)
+            except FileNotFoundError as e:
+                self._check_bucket(e)
+                return {}
         out = {}
         for key, info in found.items():
             key = self.fs._strip_protocol(key).rstrip("/")
             name = key[len(self.root) + 1 :] if key.startswith(self.root + "/") else "."
             out[name] = int(info.get("size") or 0)
         return out
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        """The store's own errors (credentials, endpoint, network, an option) as tdgather's, saying what to fix."""
+        try:
+            yield
+        except (TdgatherError, FileNotFoundError):
+            raise
+        except TypeError as e:  # s3fs makes its session on first use: an option it does not take shows here
+            raise ValueError(
+                f"storage_options={sorted(self._options)}: a key the {self.scheme}:// filesystem does not take ({e}); "
+                "see its documentation for the options it accepts"
+            ) from e
+        except Exception as e:
+            raise OutputError(
+                f"{self.where!r}: {what} failed ({type(e).__name__}: {e}); check the URL and storage_options "
+                "(endpoint_url, credentials)"
+            ) from e
 
     def _check_bucket(self, error: Exception) -> None:
         """Raise `OutputError` where the URL's bucket (S3, GCS, Azure) does not exist: nothing could be written."""
@@ -88,28 +135,31 @@ class ObjectStore:
     def size(self, name: str) -> int | None:
         """The object's size, or None where there is none."""
         key = self._key(name)
-        self.fs.invalidate_cache(key)
-        try:
-            info = self.fs.info(key)
-        except FileNotFoundError:
-            return None
+        with self._errors(f"reading {name}"):
+            self.fs.invalidate_cache(key)
+            try:
+                info = self.fs.info(key)
+            except FileNotFoundError:
+                return None
         return int(info["size"]) if info.get("type") == "file" else None
 
     def read(self, name: str) -> bytes:
         """The whole object."""
-        try:
-            return self.fs.cat_file(self._key(name))
-        except FileNotFoundError:
-            raise DatasetError(self.path(name), "object", _GONE) from None
+        with self._errors(f"reading {name}"):
+            try:
+                return self.fs.cat_file(self._key(name))
+            except FileNotFoundError:
+                raise DatasetError(self.path(name), "object", _GONE) from None
 
     def read_range(self, name: str, start: int, end: int) -> bytes:
         """Bytes ``start:end`` of the object, all of them or a `DatasetError`."""
         if end <= start:
             return b""
-        try:
-            data = self.fs.cat_file(self._key(name), start=start, end=end)
-        except FileNotFoundError:
-            raise DatasetError(self.path(name), "object", _GONE) from None
+        with self._errors(f"reading {name}"):
+            try:
+                data = self.fs.cat_file(self._key(name), start=start, end=end)
+            except FileNotFoundError:
+                raise DatasetError(self.path(name), "object", _GONE) from None
         if len(data) != end - start:
             raise DatasetError(self.path(name), "object", f"expected bytes {start}..{end}, got {len(data)} bytes")
         return data
@@ -121,13 +171,14 @@ class ObjectStore:
     def digest(self, name: str) -> Written:
         """The object's size and sha256, streamed a block at a time."""
         h, size = hashlib.sha256(), 0
-        try:
-            with self.fs.open(self._key(name), "rb", block_size=self.block_bytes) as fh:
-                while block := fh.read(self.block_bytes):
-                    h.update(block)
-                    size += len(block)
-        except FileNotFoundError:
-            raise DatasetError(self.path(name), "object", _GONE) from None
+        with self._errors(f"reading {name}"):
+            try:
+                with self.fs.open(self._key(name), "rb", block_size=self.block_bytes) as fh:
+                    while block := fh.read(self.block_bytes):
+                        h.update(block)
+                        size += len(block)
+            except FileNotFoundError:
+                raise DatasetError(self.path(name), "object", _GONE) from None
         return Written(size, h.hexdigest())
 
     def put(self, name: str, chunks: Iterable, then: Callable[[Callable[[], None]], None] | None = None) -> Written:
@@ -170,17 +221,16 @@ class ObjectStore:
             raise
 
     def _write(self, name: str, upload: Callable[[], None]) -> None:
-        try:
+        with self._errors(f"writing {name} (objects already committed stay valid)"):
             upload()
-        except OSError as e:
-            raise OutputError(f"writing {self.path(name)!r} failed ({e}); objects already committed stay valid") from e
 
     def remove(self, name: str) -> None:
         """Remove the object, if it is there."""
-        try:
-            self.fs.rm_file(self._key(name))
-        except FileNotFoundError:
-            pass
+        with self._errors(f"removing {name}"):
+            try:
+                self.fs.rm_file(self._key(name))
+            except FileNotFoundError:
+                pass
 
 
 def _blocks(chunks: Iterable, size: int) -> Iterator[memoryview]:

@@ -300,7 +300,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `tdgather inspect ... | head`
         sys.stderr.close()
         return 0
-    except (TdgatherError, OSError) as e:
+    except (TdgatherError, OSError, ValueError) as e:
         print(f"tdgather: {e}", file=sys.stderr)
         return 1
 
