@@ -112,7 +112,11 @@ class DatasetWriter:
         self.run, self.attempts, self.attempt = state.run, state.attempts, part[1] if part else state.attempt
         self.saved = state.to_saved()  # what earlier attempts saved, as every rank gets it
         self.shards: dict[str, dict] = state.shards
-        self._digest_saved()
+        try:
+            self._digest_saved()
+        except BaseException:
+            self.out.close()  # the local output's lock
+            raise
         self.catalog = Catalog()  # per filename: layout, frames written (as runs), segments, senders
         self.catalog.load(state.files, state.layouts, state.written)
         self._saved_frames = self.frames
