@@ -360,7 +360,7 @@ def stage_table(stages: dict) -> list[str]:
         "parts_8mib": "create_multipart_upload + upload_part calls of 8 MiB parts (sliced beforehand), by hand",
         "complete": "complete_multipart_upload of those parts alone (the endpoint joins them)",
         "stream_8mib": "fs.open(wb, block_size=8 MiB, autocommit=False): write, close, commit; no hash",
-        "put": "ObjectStore.put(name, chunks): that streaming write plus the sha256",
+        "put": "ObjectStore.put(name, chunks): 8 MiB parts, 3 in flight on S3, plus the sha256",
     }
     lines = [
         f"One shard of {mb:.1f} MB, from one process (chunks of 2 MiB), median:",

@@ -349,3 +349,25 @@ def test_bad_storage_options_and_a_missing_backend_say_what_to_fix(s3):
         tdgather.open("s3://bucket/x", storage_options={"endpoint": s3["endpoint_url"]})
     with pytest.raises(OutputError, match="reading tdgather.index.json failed .* check the URL and storage_options"):
         tdgather.open("s3://bucket/x", storage_options={**s3, "endpoint_url": "http://127.0.0.1:1"})
+
+
+def test_a_multipart_upload_is_whole_or_absent(s3, url):
+    """Parts upload several at a time; the object appears once complete; an error mid-stream leaves nothing."""
+    from tdgather.storage.objects import ObjectStore
+
+    store = ObjectStore(url, s3, block_bytes=5 << 20)  # S3's smallest part: 23 MiB make 5 parts
+    data = torch.randint(0, 256, (23 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    chunks = [memoryview(data[i : i + (3 << 20)].numpy()) for i in range(0, data.numel(), 3 << 20)]
+    written = store.put("shard-00000.safetensors", iter(chunks))
+    assert store.read("shard-00000.safetensors") == data.numpy().tobytes()
+    assert written.size == 23 << 20 and written == store.digest("shard-00000.safetensors")
+
+    def failing():
+        yield from chunks[:4]  # 12 MiB: two parts sent
+        raise RuntimeError("the frames' source failed")
+
+    with pytest.raises(RuntimeError, match="source failed"):
+        store.put("shard-00001.safetensors", failing())
+    assert store.size("shard-00001.safetensors") is None
+    fs = s3fs_of(s3)
+    assert not fs.call_s3("list_multipart_uploads", Bucket=url.split("/")[2]).get("Uploads")  # aborted

@@ -38,7 +38,7 @@ from ..dist.wire import HEARTBEAT, Kind, error_header
 from ..errors import DuplicateFrameError, PeerError, PeerLostError, ProtocolError
 from ..format.parts import check_part, check_run, counts_of
 from ..storage.location import is_url
-from ..storage.objects import BLOCK_BYTES
+from ..storage.objects import BLOCK_BYTES, PARTS_IN_FLIGHT
 from ..storage.recovery import Saved
 from ..storage.sink import SinkFactory
 from ..storage.writer import DatasetWriter
@@ -96,8 +96,8 @@ class Settings:
 
     @property
     def upload_bytes(self) -> int:
-        """What an object store upload holds (its part, and the buffer it is cut from); 0 for a local path."""
-        return 2 * BLOCK_BYTES if is_url(self.path) else 0
+        """What an object store upload holds (its parts in flight, and the one being cut); 0 for a local path."""
+        return (PARTS_IN_FLIGHT + 1) * BLOCK_BYTES if is_url(self.path) else 0
 
     @property
     def spill_bytes(self) -> int:

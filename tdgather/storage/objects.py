@@ -2,9 +2,10 @@
 
 An object store has no rename and no directory: an object appears whole when its upload
 completes, or not at all. So a shard is streamed up as a multipart upload that is completed
-only once every byte is sent (``autocommit=False``; an error aborts it, and nothing appears),
-and what fits in one block (the index, a record, a small shard) is one PUT. Memory stays bounded: chunks are cut to
-`BLOCK_BYTES` before they reach the upload, whose buffer holds about one block.
+only once every byte is sent (an error aborts it, and nothing appears), and what fits in one
+block (the index, a record, a small shard) is one PUT. On S3 `PARTS_IN_FLIGHT` parts upload at
+once while the next is cut; other stores take fsspec's buffered file (``autocommit=False``), one
+part at a time. Memory stays bounded: `PARTS_IN_FLIGHT` + 1 parts of `BLOCK_BYTES`.
 
 Shards are read by byte ranges (`RangeShard`): the 8-byte length, the header, then only the
 rows asked for. Everything read is checked before use: the header's length, every tensor's
@@ -20,6 +21,7 @@ import json
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -28,9 +30,10 @@ from ..core.dtypes import SAFETENSORS_CODE
 from ..errors import DatasetError, OutputError, TdgatherError
 from .store import Written, hashed
 
-__all__ = ["BLOCK_BYTES", "ObjectStore", "RangeShard"]
+__all__ = ["BLOCK_BYTES", "PARTS_IN_FLIGHT", "ObjectStore", "RangeShard"]
 
 BLOCK_BYTES = 8 << 20  # one multipart part (S3 takes 5 MiB at least); chunks are cut to it before the upload
+PARTS_IN_FLIGHT = 3  # S3: parts uploading at once, while the next is cut (other stores: one at a time)
 _HEADER_MAX = 100 << 20  # safetensors' own limit on a header
 _DTYPE = {code: dtype for dtype, code in SAFETENSORS_CODE.items()}
 _PACKAGES = {"s3": "s3fs", "gcs": "gcsfs", "azure": "adlfs"}  # each extra's fsspec backend
@@ -110,7 +113,7 @@ class ObjectStore:
         """The store's own errors (credentials, endpoint, network, an option) as tdgather's, saying what to fix."""
         try:
             yield
-        except (TdgatherError, FileNotFoundError):
+        except (TdgatherError, FileNotFoundError, _SourceFailed):
             raise
         except TypeError as e:  # s3fs makes its session on first use: an option it does not take shows here
             raise ValueError(
@@ -189,21 +192,26 @@ class ObjectStore:
         used: an object is durable when its upload completes.
         """
         h, count = hashlib.sha256(), [0]
-        pieces = iter(hashed(_blocks(chunks, self.block_bytes), h, count))
+        pieces = iter(hashed(_blocks(_source(chunks), self.block_bytes), h, count))
         first = bytearray()
-        for piece in pieces:
-            first += piece
-            if len(first) >= self.block_bytes:
-                break
-        else:  # the whole object is in hand
-            self._write(name, functools.partial(self.fs.pipe_file, self._key(name), bytes(first)))
-            return Written(count[0], h.hexdigest())
-        self._write(name, functools.partial(self._multipart, name, first, pieces))
+        try:
+            for piece in pieces:
+                first += piece
+                if len(first) >= self.block_bytes:
+                    break
+            else:  # the whole object is in hand
+                self._write(name, functools.partial(self.fs.pipe_file, self._key(name), bytes(first)))
+                return Written(count[0], h.hexdigest())
+            self._write(name, functools.partial(self._multipart, name, first, pieces))
+        except _SourceFailed as e:  # the bytes' own source failed, not the store: its error, as it was
+            raise e.__cause__ from None
         return Written(count[0], h.hexdigest())
 
     def _multipart(self, name: str, first: bytearray, rest: Iterator) -> None:
         from fsspec.spec import AbstractBufferedFile
 
+        if self.scheme in ("s3", "s3a") and hasattr(self.fs, "call_s3"):
+            return self._s3_multipart(name, first, rest)
         f = self.fs.open(self._key(name), "wb", block_size=self.block_bytes, autocommit=False)
         if not isinstance(f, AbstractBufferedFile):  # no multipart upload (memory://): one PUT of the bytes
             f.discard()
@@ -220,6 +228,32 @@ class ObjectStore:
             f.closed = True
             raise
 
+    def _s3_multipart(self, name: str, first: bytearray, rest: Iterator) -> None:
+        """S3: the parts uploaded `PARTS_IN_FLIGHT` at a time while the next is cut; completed last, else aborted."""
+        bucket, key, _ = self.fs.split_path(self._key(name))
+        upload = self.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"]
+        done: list[dict] = []
+        try:
+            with ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="tdgather-upload") as pool:
+                flying: list[Future] = []
+                for number, data in enumerate(_parts(first, rest, self.block_bytes), start=1):
+                    if len(flying) == PARTS_IN_FLIGHT:  # memory stays PARTS_IN_FLIGHT + 1 parts
+                        done.append(flying.pop(0).result())
+                    flying.append(pool.submit(self._upload_part, bucket, key, upload, number, data))
+                done += [f.result() for f in flying]
+            parts = {"Parts": done}
+            self.fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload, MultipartUpload=parts)
+        except BaseException:
+            with contextlib.suppress(Exception):  # no object appears; the parts sent are dropped
+                self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+            raise
+        finally:
+            self.fs.invalidate_cache(self._key(name))
+
+    def _upload_part(self, bucket: str, key: str, upload: str, number: int, data: bytes) -> dict:
+        out = self.fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=number, Body=data)
+        return {"PartNumber": number, "ETag": out["ETag"]}
+
     def _write(self, name: str, upload: Callable[[], None]) -> None:
         with self._errors(f"writing {name} (objects already committed stay valid)"):
             upload()
@@ -231,6 +265,33 @@ class ObjectStore:
                 self.fs.rm_file(self._key(name))
             except FileNotFoundError:
                 pass
+
+
+class _SourceFailed(Exception):
+    """The chunks an upload was reading raised (its ``__cause__``): not the store's error."""
+
+
+def _source(chunks: Iterable) -> Iterator:
+    """``chunks``, with an error of theirs marked as theirs (`_SourceFailed`)."""
+    try:
+        yield from chunks
+    except Exception as e:
+        raise _SourceFailed() from e
+
+
+def _parts(first: bytearray, rest: Iterator, size: int) -> Iterator[bytes]:
+    """The bytes of ``first`` then ``rest``, in parts of exactly ``size`` (the last one shorter)."""
+    buffer = first
+    for piece in rest:
+        buffer += piece
+        while len(buffer) >= size:
+            yield bytes(buffer[:size])
+            del buffer[:size]
+    while len(buffer) >= size:
+        yield bytes(buffer[:size])
+        del buffer[:size]
+    if buffer:
+        yield bytes(buffer)
 
 
 def _blocks(chunks: Iterable, size: int) -> Iterator[memoryview]:
