@@ -392,3 +392,43 @@ def test_a_copy_that_arrives_after_its_frame_was_written_is_compared_with_the_di
     strict.write(frames([2, 0, 3]))
     with pytest.raises(DuplicateFrameError, match=r"frame_idx 1.*written to shard-00000.*'boxes': 0 rows against 1"):
         strict.write(frames([2, 1]))
+
+
+def test_a_leaf_ragged_in_one_filename_reads_ragged_in_every_filename(tmp_path):
+    """One type per leaf name across a dataset: frames stored fixed read as that many rows each."""
+    from safetensors import safe_open
+
+    store = tdgather.FrameStore()
+    store.add(["a.mp4"] * 3, [0, 1, 2], [{"boxes": torch.rand(n, 4), "depth": torch.rand(2)} for n in (1, 3, 0)])
+    fixed = torch.arange(24, dtype=torch.float32).reshape(3, 2, 4)  # every frame 2 boxes: stored fixed
+    store.add(["b.mp4"] * 3, [0, 1, 2], {"boxes": fixed, "depth": torch.rand(3, 2)})
+    ds = tdgather.open(tdgather.save(tdgather.gather(store), tmp_path / "ds"))
+    assert ds.ragged_leaves == {"boxes"}
+    assert ds.stored_layout("b.mp4").describe() == "{boxes: float32[2, 4], depth: float32[2]}"
+    assert (
+        ds.layout("b.mp4") == ds.layout("a.mp4")
+        and ds.layout("b.mp4").describe() == "{boxes: float32[*, 4], depth: float32[2]}"
+    )
+    boxes = ds["b.mp4"].frames["boxes"]
+    assert boxes.is_nested and [tuple(t.shape) for t in boxes.unbind()] == [(2, 4)] * 3
+    assert torch.equal(torch.stack(boxes.unbind()), fixed)
+    assert ds.lengths("b.mp4")["boxes"].tolist() == [2, 2, 2] and ds.lengths("a.mp4")["boxes"].tolist() == [1, 3, 0]
+    items = [ds.per_frame()[k] for k in range(len(ds.per_frame()))]
+    assert [tuple(x["frames"]["boxes"].shape) for x in items] == [(1, 4), (3, 4), (0, 4), (2, 4), (2, 4), (2, 4)]
+    group = next(
+        g
+        for g, lay in ds.index["shards"]["shard-00000.safetensors"]["groups"].items()
+        if not any(leaf.get("ragged") for leaf in lay["leaves"])
+    )
+    with safe_open(tmp_path / "ds" / "shard-00000.safetensors", "pt") as f:  # the file holds what was stored
+        assert f.get_slice(f"{group}.boxes").get_shape() == [3, 2, 4] and f"{group}.boxes:offsets" not in f.keys()
+
+
+def test_to_hf_gives_a_leaf_one_column_type_when_some_filenames_stored_it_fixed(tmp_path):
+    pytest.importorskip("datasets")
+    store = tdgather.FrameStore()
+    store.add(["a.mp4"] * 2, [0, 1], [{"boxes": torch.ones(n, 4)} for n in (1, 3)])
+    store.add(["b.mp4"] * 2, [0, 1], {"boxes": torch.zeros(2, 2, 4)})
+    hf = tdgather.open(tdgather.save(tdgather.gather(store), tmp_path / "ds")).to_hf(cache_dir=tmp_path / "hf")
+    rows = {(r["filename"], r["frame_idx"]): r["boxes"] for r in hf}
+    assert [len(rows["a.mp4", i]) for i in (0, 1)] == [1, 3] and [len(rows["b.mp4", i]) for i in (0, 1)] == [2, 2]

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..core.frames import Frames, Layout, rebuild
+from ..core.promote import dotted, promote, promote_columns
 from ..errors import OutputError
 from ..format.check import (
     Check,
@@ -95,6 +96,10 @@ class Dataset(Mapping[str, Frames]):
         self.metadata: dict[str, Any] = self.index["metadata"]
         self._files: dict[str, dict] = self.index["files"]
         self._run = index_run(self.index, self._index)  # every shard opened must be of this run
+        # leaves ragged in any group of the dataset: ragged in every filename that has them
+        self.ragged_leaves = frozenset(
+            dotted(leaf) for layout in self._plan.groups.values() for leaf in layout.leaves if leaf.ragged
+        )
         self._open: OrderedDict[str, OpenShard] = OrderedDict()  # by shard name, least recently used first
         self._lock = threading.Lock()
 
@@ -144,8 +149,23 @@ class Dataset(Mapping[str, Frames]):
         return name in self._files
 
     def layout(self, name: str) -> Layout:
-        """The layout (structure, dtypes, per-frame shapes) of a filename, without reading data."""
+        """The layout (structure, dtypes, per-frame shapes) of a filename, without reading data.
+
+        A leaf ragged in any filename of the dataset is ragged here too (`ragged_leaves`), so a leaf
+        name has one type across the dataset: frames stored fixed read as that many rows each.
+        """
+        stored = self._plan.layouts[name]
+        return promote(stored, self.ragged_leaves) if self.ragged_leaves else stored
+
+    def stored_layout(self, name: str) -> Layout:
+        """The layout a filename's frames are stored with (what its shards' tensors are read with)."""
         return self._plan.layouts[name]
+
+    def read_rows(self, shard: OpenShard, group: str, name: str, lo: int, hi: int) -> tuple[torch.Tensor, list, list]:
+        """Rows ``lo:hi`` of one of ``name``'s segments, as `layout` gives them (fixed leaves made ragged)."""
+        stored = self._plan.layouts[name]
+        idx, tensors, json_values = read_rows(shard.f, shard.c, shard.names(group, stored), stored, lo, hi)
+        return idx, promote_columns(stored, self.layout(name), tensors), json_values
 
     def num_frames(self, name: str) -> int:
         """Frames stored for a filename, without reading data."""
@@ -153,16 +173,20 @@ class Dataset(Mapping[str, Frames]):
 
     def lengths(self, name: str) -> dict[str, torch.Tensor]:
         """Per ragged leaf (dotted key), each frame's rows, in frame order; reads only the offsets."""
-        layout, out = self.layout(name), {}
+        layout, stored, out = self.layout(name), self.stored_layout(name), {}
         ragged = [j for j, leaf in enumerate(layout.leaves) if leaf.ragged]
         if not ragged:
             return out
         idx, per_leaf = [], {j: [] for j in ragged}
         for shard, group, lo, hi in self._segments(name):
-            names = shard.names(group, layout)
+            names = shard.names(group, stored)
             idx.append(shard.f.get_slice(names.frame_idx)[lo:hi])
             for j in ragged:
-                per_leaf[j].append(offsets_of_rows(shard.f, shard.c, names, names.leaves[j], lo, hi)[0].diff())
+                if stored.leaves[j].ragged:
+                    lengths = offsets_of_rows(shard.f, shard.c, names, names.leaves[j], lo, hi)[0].diff()
+                else:  # stored fixed: each frame has its first dim of rows
+                    lengths = torch.full((hi - lo,), stored.leaves[j].shape[0], dtype=torch.int64)
+                per_leaf[j].append(lengths)
         order = torch.argsort(torch.cat(idx))
         for j in ragged:
             out[".".join(layout.leaves[j].path) or "<tensor>"] = torch.cat(per_leaf[j])[order]
@@ -242,8 +266,7 @@ class Dataset(Mapping[str, Frames]):
     def __getitem__(self, name: str) -> Frames:
         entry = self._files[name]
         layout = self.layout(name)
-        segments = self._segments(name)
-        pieces = [read_rows(s.f, s.c, s.names(group, layout), layout, lo, hi) for s, group, lo, hi in segments]
+        pieces = [self.read_rows(s, group, name, lo, hi) for s, group, lo, hi in self._segments(name)]
         idx, tensors, json_values = pieces[0]
         if len(pieces) > 1:  # segments written at different times: merge them by frame_idx
             order = torch.argsort(torch.cat([p[0] for p in pieces]))

@@ -107,7 +107,7 @@ class FrameDataset(torch.utils.data.Dataset):
             c = shard.c
             if not lo <= row < hi:
                 raise c.fail(f"{group} rows", f"row {row} inside {lo}..{hi}", "a segment changed since it was read")
-            idx, tensors, json_values = read_rows(shard.f, c, shard.names(group, layout), layout, row, row + 1)
+            idx, tensors, json_values = self.dataset.read_rows(shard, group, name, row, row + 1)
             if idx.tolist() != [expected]:
                 raise c.fail(f"{group} frame_idx row {row}", f"[{expected}] (as read at construction)", idx.tolist())
             break
@@ -326,7 +326,7 @@ def _json_values(dataset: Dataset, names: Sequence[str], columns: dict[str, _Col
     """Every JSON leaf's values over ``names`` (reading JSON lines only), per column."""
     out: dict[str, list] = {label: [] for label, col in columns.items() if col.dtype is None}
     for name in names:
-        layout = dataset.layout(name)
+        layout = dataset.stored_layout(name)
         if not layout.nontensor:
             continue
         only = _json_only(layout)
