@@ -66,10 +66,13 @@ class ObjectStore:
             how = f"pip install 'tdgather[{extra}]'" if extra else f"install the fsspec backend for {self.scheme}://"
             raise ImportError(f"writing or reading {self.where!r} needs {package}: {how}") from e
         except TypeError as e:
-            raise ValueError(
-                f"storage_options={sorted(self._options)}: a key the {self.scheme}:// filesystem does not take ({e}); "
-                "see its documentation for the options it accepts"
-            ) from e
+            raise self._bad_option(e) from e
+
+    def _bad_option(self, error: TypeError) -> ValueError:
+        return ValueError(
+            f"storage_options={sorted(self._options)}: a key the {self.scheme}:// filesystem does not take "
+            f"({error}); see its documentation for the options it accepts"
+        )
 
     @property
     def fs(self) -> Any:
@@ -116,10 +119,7 @@ class ObjectStore:
         except (TdgatherError, FileNotFoundError, _SourceFailed):
             raise
         except TypeError as e:  # s3fs makes its session on first use: an option it does not take shows here
-            raise ValueError(
-                f"storage_options={sorted(self._options)}: a key the {self.scheme}:// filesystem does not take ({e}); "
-                "see its documentation for the options it accepts"
-            ) from e
+            raise self._bad_option(e) from e
         except Exception as e:
             raise OutputError(
                 f"{self.where!r}: {what} failed ({type(e).__name__}: {e}); check the URL and storage_options "

@@ -25,6 +25,7 @@ from ..errors import OutputError
 from ..format.names import INCOMPLETE_NAME, INDEX_NAME, SHARD_PATTERN
 
 __all__ = [
+    "describe_names",
     "exchange",
     "check_output",
     "fsync_dir",
@@ -47,7 +48,8 @@ def _foreign(directory: Path) -> list[str]:
     return sorted(n for n in names if not (_OURS.fullmatch(n) and (directory / n).is_file()))
 
 
-def _describe(names: list[str]) -> str:
+def describe_names(names: list[str]) -> str:
+    """The first few names, quoted, and how many more: for messages about what a directory holds."""
     shown = ", ".join(repr(n) for n in names[:5])
     return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
@@ -76,7 +78,7 @@ def check_output(path: str | os.PathLike, overwrite: bool, resume: bool = False)
     if target.is_dir() and any(target.iterdir()):
         foreign = _foreign(target)
         if foreign or not (target / INDEX_NAME).is_file():
-            what = f"it holds {_describe(foreign)}" if foreign else f"it has shards but no {INDEX_NAME}"
+            what = f"it holds {describe_names(foreign)}" if foreign else f"it has shards but no {INDEX_NAME}"
             raise OutputError(
                 f"output {str(target)!r} holds files tdgather did not write, or is not a complete tdgather dataset "
                 f"({what}); tdgather never replaces or deletes what it did not write, even with overwrite=True: "
@@ -91,7 +93,7 @@ def check_output(path: str | os.PathLike, overwrite: bool, resume: bool = False)
     if staging.exists() and (foreign or not staging.is_dir()):
         raise OutputError(
             f"{str(staging)!r} is where tdgather stages {str(target)!r}, but it holds "
-            f"{_describe(foreign) if staging.is_dir() else 'a file'}, which tdgather did not write; move it away "
+            f"{describe_names(foreign) if staging.is_dir() else 'a file'}, which tdgather did not write; move it away "
             "(tdgather never deletes what it did not write, even with overwrite=True)"
         )
     if (staging / INDEX_NAME).exists() and not overwrite and not resume:
@@ -150,7 +152,7 @@ def publish(staging: Path, target: Path, overwrite: bool, swap: Callable[[Path, 
         foreign = _foreign(target)
         if foreign:  # appeared since check_output: keep the old dataset, and say so
             raise OutputError(
-                f"output {str(target)!r} gained files tdgather did not write ({_describe(foreign)}) "
+                f"output {str(target)!r} gained files tdgather did not write ({describe_names(foreign)}) "
                 f"while the new dataset was written; the new one is complete in {str(staging)!r}"
             )
         if (swap or exchange)(staging, target):

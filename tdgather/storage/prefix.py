@@ -25,17 +25,13 @@ from collections.abc import Iterable
 from ..errors import DatasetError, OutputError
 from ..format.check import Check, load_json
 from ..format.names import FORMAT, INCOMPLETE_NAME, INDEX_NAME, RUN_TAG, SHARD_NAME, SHARD_PATTERN, shard_tag
+from .outdir import describe_names
 from .recovery import RunState, from_index, from_shards, index_runs, loose_shards, new_run
 from .store import Store
 
 __all__ = ["OURS", "PrefixOutput"]
 
 OURS = re.compile("(" + SHARD_PATTERN + "|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + ")")
-
-
-def _describe(names: list[str]) -> str:
-    shown = ", ".join(repr(n) for n in names[:5])
-    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 class PrefixOutput:
@@ -65,7 +61,7 @@ class PrefixOutput:
         foreign = sorted(n for n in listing if not OURS.fullmatch(n))
         if foreign:
             raise OutputError(
-                f"output {self.target!r} holds objects tdgather did not write ({_describe(foreign)}); tdgather "
+                f"output {self.target!r} holds objects tdgather did not write ({describe_names(foreign)}); tdgather "
                 "never replaces or deletes what it did not write, even with overwrite=True: choose another prefix, "
                 "or move those objects away"
             )
