@@ -135,6 +135,9 @@ def _rank_main(fn: Callable, rank: int, world_size: int, tmp: str, threads: int,
             timeout=timedelta(seconds=timeout),
         )
         try:
+            # every pair connected before any rank runs: a rank that returns (or raises) at once must not
+            # close its end while another still builds its connections ("Connection closed by peer")
+            dist.barrier()
             record = {"ok": True, "value": fn(*args)}
         finally:
             dist.destroy_process_group()
