@@ -98,7 +98,7 @@ def predictions(scenario: str, rank: int, world: int) -> dict:
         if rank == 1:
             p["x.mp4"][1] = (1, value("x.mp4", 1) + 1)
     elif scenario == "shape_mismatch":
-        p["x.mp4"] = [(rank, value("x.mp4", rank, (3,) if rank == 0 else (4,)))]
+        p["x.mp4"] = [(rank, value("x.mp4", rank, (3,) if rank == 0 else (3, 4)))]  # a dim more: no fit
         p["ok.mp4"] = (rank, value("ok.mp4", rank))
     elif scenario == "unsupported":
         p["x.mp4"] = (0, torch.zeros(2, dtype=torch.complex128) if rank == 1 else torch.zeros(2))
@@ -427,12 +427,12 @@ def case_stream_mismatch(out: str, when: str) -> dict:
 
     ``when``: ``"same_spill"``, ranks 1 and 2 send it first, into one spill; ``"on_disk"``, rank 1
     sends it first and rank 2 after all its frames, a spill later; ``"in_rank"``, rank 1 adds it
-    as ``float32[4]`` then ``float32[5]`` into one chunk after 10 batches; ``"in_rank_later"``,
+    as ``float32[4]`` then ``float32[4, 1]`` into one chunk after 10 batches; ``"in_rank_later"``,
     the first at the start, the second after 10 batches (chunks apart).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     budget = 64 << 20 if when == "same_spill" else 1 << 20
-    odd = {1: (0, value("odd.mp4", 0, (4,))), 2: (1, value("odd.mp4", 1, (5,)))}
+    odd = {1: (0, value("odd.mp4", 0, (4,))), 2: (1, value("odd.mp4", 1, (4, 1)))}  # a dim after the first: no fit
     added: dict[str, dict[int, torch.Tensor]] = {}
     error = None
     try:
@@ -568,9 +568,9 @@ def case_slow_placement(world_frames: int, early_bytes: int) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     place, default_early = gather_module.place, gather_module.Landing.EARLY_BYTES
 
-    def slow_place(parts, *args):
+    def slow_place(parts, *args, **kwargs):
         time.sleep(0.5)
-        return place(parts, *args)
+        return place(parts, *args, **kwargs)
 
     if rank == 0:  # the placement (a public function of core.plan, as gather calls it) made slow
         gather_module.place, gather_module.Landing.EARLY_BYTES = slow_place, early_bytes

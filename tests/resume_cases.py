@@ -113,8 +113,8 @@ def case_run(
                 os.kill(os.getpid(), signal.SIGKILL)
             x = torch.stack([frame_input(n, int(i)) for n, i in zip(names, idx, strict=True)])
             out_frames = model(x)
-            if layout == "wider":  # a different model on resume: another shape for the same filenames
-                out_frames["depth"] = torch.cat([out_frames["depth"]] * 2, dim=1)
+            if layout == "wider":  # a different model on resume: another shape (a dim after the first), same filenames
+                out_frames["depth"] = torch.cat([out_frames["depth"]] * 2, dim=2)
             col.add(names, idx, out_frames)
     return {"todo": len(todo), "saved_frames": col.saved.num_frames, "saved_files": len(col.saved)}
 

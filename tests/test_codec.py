@@ -140,8 +140,8 @@ def test_store_rejects_bad_input_with_clear_messages():
     with pytest.raises(ValueError, match="leading batch dimension of 3"):
         store.add(["a", "b", "c"], [0, 1, 2], torch.zeros(2, 1))
     store.update({"s": (0, torch.zeros(3))})
-    with pytest.raises(ShapeMismatchError, match=r"filename 's'.*float32\[3\] and float32\[4\]"):
-        store.update({"s": (1, torch.zeros(4))})
+    with pytest.raises(ShapeMismatchError, match=r"filename 's'.*float32\[3\] and float64\[3\]"):
+        store.update({"s": (1, torch.zeros(3, dtype=torch.float64))})
     assert len(store) == 1  # nothing half-added
 
 

@@ -15,7 +15,9 @@ they test:
   test_sink ``test_empty_dataset``;
 - row 18 (no distributed): test_local;
 - rows 22 and 23 (resume after a kill; a resume that does not fit): test_resume;
-- row 24 (one writer per block of ranks): test_writers, test_torchrun, test_lightning.
+- row 24 (one writer per block of ranks): test_writers, test_torchrun, test_lightning;
+- row 25 (SIGTERM): test_sigterm; row 26 (object storage): test_objects;
+- row 27 (first dims that vary, with no ``ragged=``): test_promote.
 
 Rows 5-7 are also fuzzed without processes in test_codec (hypothesis). The time to error of the
 kill and stop rows is printed (``pytest -s``) for the release note.

@@ -298,11 +298,11 @@ def test_nan_in_the_index_is_refused(tmp_path, constant):
         tdgather.open(out)
 
 
-@pytest.mark.parametrize("version, got", [(6, "6"), (0, "0"), ("2", "'2'"), (True, "True"), (None, "None")])
+@pytest.mark.parametrize("version, got", [(7, "7"), (0, "0"), ("2", "'2'"), (True, "True"), (None, "None")])
 def test_an_unknown_version_is_refused_saying_which_this_tdgather_reads(tmp_path, version, got):
     out = save(tmp_path)
     edit(out, lambda index: index.update(version=version))
-    wanted = r"1, 2, 3, 4 or 5 \(this tdgather reads index version 1, 2, 3, 4 or 5 only\)"
+    wanted = r"1, 2, 3, 4, 5 or 6 \(this tdgather reads index version 1, 2, 3, 4, 5 or 6 only\)"
     with pytest.raises(DatasetError, match=rf"version: expected {wanted}, got {got}"):
         tdgather.open(out)
 
@@ -456,8 +456,12 @@ def test_segments_of_one_filename_must_share_a_layout(tmp_path):
     edit(out, lambda i: i["files"]["a"]["segments"][1].update(group="g1"))
     with pytest.raises(
         DatasetError,
-        match=r"files\['a'\].segments\[1\].group: expected the layout of the first segment, float32\[2\], got 'g1'",
+        match=r"files\['a'\].segments\[1\].group: expected the layout of the earlier segments, float32\[2\] \(or "
+        r"one that differs only in a leaf's first dim\), got 'g1'",
     ):
+        tdgather.open(out)
+    edit(out, lambda i: i.update(version=5))  # before version 6, a filename's segments have one layout
+    with pytest.raises(DatasetError, match=r"expected the layout of the earlier segments, float32\[2\], got 'g1'"):
         tdgather.open(out)
 
 

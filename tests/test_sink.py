@@ -269,7 +269,7 @@ def test_incremental_conflicts_raise_and_abort_keeps_committed_shards(tmp_path):
         tdgather.ShapeMismatchError,
         match=r"'a': frames already written \(from ranks \[0\]\) have float32\[2\], new ones \(from ranks \[1\]\)",
     ):
-        w.write(tdgather.gather({"a": (1, torch.ones(3))}), {"a": {1}})
+        w.write(tdgather.gather({"a": (1, torch.ones(2, dtype=torch.float64))}), {"a": {1}})
     partial = w.abort()
     assert partial == tmp_path / "ds.partial" and sorted(os.listdir(partial)) == ["shard-00000.safetensors"]
     assert not (tmp_path / "ds").exists()

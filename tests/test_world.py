@@ -49,7 +49,7 @@ def test_shape_mismatch_names_filename_shapes_and_ranks(world):
     out = run_local_world(cases.case_error, world, "shape_mismatch", timeout=120)
     msg = out[0]["message"]
     assert out[0]["type"] == "ShapeMismatchError"
-    assert "'x.mp4'" in msg and "float32[3]" in msg and "float32[4]" in msg
+    assert "'x.mp4'" in msg and "float32[3]" in msg and "float32[3, 4]" in msg
     assert "rank 0" in msg and "rank 1" in msg
     # nothing received is lost: every other frame, and x.mp4 as rank 0 sent it
     assert out[0]["received"] == {"ok.mp4": list(range(world)), "x.mp4": [0]}

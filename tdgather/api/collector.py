@@ -101,6 +101,10 @@ class Collector:
         storage_options: for an object store URL (``s3://``, ``gs://``, ``az://``, any fsspec URL),
             the filesystem's options, as fsspec, pandas and datasets take them (credentials, an
             ``endpoint_url``...); see docs/object-storage.md. Not for a local path.
+        ragged: None (default): a leaf whose first dim changes between frames of a filename (boxes
+            ``[N_i, 4]``) is made ragged where that is found, on any rank, before or after frames
+            were written; False: every leaf is fixed, and such a change is a `ShapeMismatchError`.
+            (``add(..., ragged=[...])`` names leaves ragged from their first frame.)
         resume: continue a run that failed (or finished): keep what ``<path>.partial`` (or ``path``;
             under a URL, the failed run's objects or the dataset there) holds, give every rank ``saved``
             to skip it, drop frames sent again by the duplicates policy, and record each attempt in the
@@ -138,6 +142,7 @@ class Collector:
         ranks_per_writer: int | None = None,
         sink: SinkFactory | None = None,
         storage_options: dict | None = None,
+        ragged: bool | None = None,
     ) -> None:
         for name, value, low in (("memory_budget", memory_budget, 1), ("max_pending", max_pending, 1)):
             if not isinstance(value, int) or value < low:
@@ -163,6 +168,11 @@ class Collector:
             raise ValueError(f"ranks_per_writer: expected None or an integer >= 1, got {ranks_per_writer!r}")
         self.ranks_per_writer = ranks_per_writer
         self.sink = sink
+        if ragged not in (None, False):
+            raise ValueError(
+                f"ragged: expected None (leaves made ragged where found) or False (all fixed), got {ragged!r}"
+            )
+        self.fixed = ragged is False
         self._chunk_bytes = chunk_bytes
         self._side: Sender | Destination | None = None
         self._call: Call | None = None
@@ -196,6 +206,7 @@ class Collector:
             resume=self.resume,
             sink=self.sink,
             storage_options=self.storage_options,
+            fixed=self.fixed,
         )
         if not distributed:
             self._side = Destination(settings, None, rank, [])

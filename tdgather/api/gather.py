@@ -36,6 +36,7 @@ from ..core.frames import Frames
 from ..core.gcpause import collection_paused
 from ..core.merge import merge
 from ..core.plan import Group, Mismatches, Part, Placement, keep_first_layouts, place, scatter_chunks
+from ..core.promote import unify
 from ..core.ragged import values_of
 from ..core.rows import run_start, scatter_rows
 from ..core.store import FrameStore, as_store
@@ -144,8 +145,11 @@ def gather(
         duplicates: what to do with copies of one ``(filename, frame_idx)``: ``"keep"`` one (the
             lowest rank's) and count it, ``"exact"`` (raise on any bit difference), or
             ``DuplicatePolicy("close", rtol=..., atol=...)`` (raise beyond the tolerance).
-        ragged: for a dict of predictions, the leaves whose first dim changes from frame to frame
-            (boxes ``[N_i, 4]``): dotted keys, or True for every leaf (`FrameStore.add` explains).
+        ragged: for a dict of predictions, the leaves that are ragged even where every frame has the
+            same first dim: dotted keys, or True for every leaf (`FrameStore.add` explains). Not
+            needed for a leaf whose first dim changes (boxes ``[N_i, 4]``): it is made ragged where
+            that is found, on any rank. False (on every rank) declares every leaf fixed: a first
+            dim that changes is then a `ShapeMismatchError`.
 
     Returns:
         On ``dst``, a `Gathered` dict ``{filename: Frames}``; elsewhere None. With torch.distributed
@@ -230,6 +234,7 @@ class _Receive:
         ragged: Any = (),
     ) -> None:
         self.predictions, self.ragged, self.rank, self.channels = predictions, ragged, rank, channels
+        self.fixed = ragged is False or bool(getattr(predictions, "fixed", False))  # no leaf made ragged
         self.policy, self.start = policy, start
         self.errors: dict[int, BaseException] = {}
         self.parts: dict[int, list[Part]] = {r: [] for r in sorted([rank, *channels])}
@@ -254,8 +259,10 @@ class _Receive:
     def local(self) -> Gathered:
         """No peers: place and merge rank dst's own frames."""
         self.parts[self.rank] = as_store(self.predictions, self.ragged).parts(self.rank)
-        self._place()
-        self._land_local()
+        self.late = self._promotes()
+        if not self.late:
+            self._place()
+            self._land_local()
         return self._result()
 
     def run(self, answers: Answers) -> Gathered:
@@ -268,7 +275,7 @@ class _Receive:
             deadline = time.monotonic() + self.grace
             for event in self.planned.values():
                 event.wait(max(0.0, deadline - time.monotonic()))
-            self.late = not all(event.is_set() for event in self.planned.values())
+            self.late = not all(event.is_set() for event in self.planned.values()) or self._promotes()
             self.decided.set()
             try:
                 if not self.late:
@@ -340,9 +347,22 @@ class _Receive:
             landing.finish()
         expect_done(ch, ch.recv(), msg.header.num_frames)
 
+    def _promotes(self) -> bool:
+        """Whether a leaf must be made ragged (`unify`): then every frame is received as it comes and merged.
+
+        Placing needs each row's size before it arrives, and a fixed leaf made ragged changes it.
+        """
+        if self.fixed:
+            return False
+        parts = [p for r in sorted(self.parts) for p in self.parts[r]]
+        try:
+            return any(q is not p for p, q in zip(parts, unify(parts), strict=True))
+        except Exception:
+            return True  # the merge at the end meets the error again, and reports it
+
     def _place(self) -> None:
         parts = [p for r in sorted(self.parts) for p in self.parts[r]]  # lowest rank first
-        self.placements = place(parts, self.mismatches)
+        self.placements = place(parts, self.mismatches, fixed=self.fixed)
         for k, (placement, members) in enumerate(self.placements):
             self.buffers.append(placement.allocate())
             self.landed.append(torch.zeros(placement.num_frames + placement.kept.numel(), dtype=torch.bool))
@@ -359,7 +379,7 @@ class _Receive:
     def _result(self) -> Gathered:
         if self.late:
             parts = [p for r in sorted(self.parts) for p in self.parts[r]]  # lowest rank first
-            merged = merge(parts, self.policy, mismatches=self.mismatches)
+            merged = merge(parts, self.policy, mismatches=self.mismatches, fixed=self.fixed)
             return self._gathered(merged.groups, merged.duplicates)
         groups, found = [], DuplicateCounts()
         for (placement, _), buffers, landed in zip(self.placements, self.buffers, self.landed, strict=True):

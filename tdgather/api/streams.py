@@ -93,6 +93,7 @@ class Settings:
     resume: bool = False
     sink: SinkFactory | None = None  # makes rank dst's (and each writer's) sink; default DatasetWriter
     storage_options: dict | None = None  # fsspec's, for an object store URL
+    fixed: bool = False  # ragged=False: every leaf fixed, a first dim that changes refused (else made ragged)
 
     @property
     def upload_bytes(self) -> int:
@@ -197,11 +198,11 @@ def _return_freed_memory() -> None:
 class _Side:
     """What senders and rank dst share: the current chunk, back-pressure, the first failure."""
 
-    def __init__(self, chunk_bytes: int, max_pending: int, copy: bool) -> None:
+    def __init__(self, chunk_bytes: int, max_pending: int, copy: bool, fixed: bool = False) -> None:
         self.chunk_bytes = chunk_bytes
-        self.copy = copy
+        self.copy, self.fixed = copy, fixed
         self.saved = Saved()  # what a resumed run saved already (empty for a fresh one)
-        self.store = FrameStore(copy)
+        self.store = FrameStore(copy, fixed=fixed)
         self.queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self.failure: BaseException | None = None
         self.lock = threading.Lock()
@@ -235,7 +236,7 @@ class _Side:
             self.store = self._new_store()
 
     def _new_store(self) -> FrameStore:
-        return FrameStore(self.copy, self.saved.layouts)
+        return FrameStore(self.copy, self.saved.layouts, self.fixed)
 
     def _chunk(self, store: FrameStore) -> Any:
         """What goes on the queue for a full chunk."""
@@ -261,7 +262,7 @@ class Sender(_Side):
     relay = False  # a stream that carries no frames (`Uplink`)
 
     def __init__(self, settings: Settings, call: Call) -> None:
-        super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy)
+        super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy, settings.fixed)
         self.timeout, self.dst = settings.timeout, settings.dst
         self.ch = call.channel(settings.dst)  # its send and receive sequences are independent
         self.heartbeat = heartbeat_interval(self.timeout)
@@ -419,7 +420,7 @@ class Destination(_Side):
     writer_number: int | None = None  # numbers this writer's shards (several writers)
 
     def __init__(self, settings: Settings, call: Call | None, rank: int, peers: list[int]) -> None:
-        super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy)
+        super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy, settings.fixed)
         _return_freed_memory()
         col = self.settings = settings
         self.rank, self.start = rank, time.perf_counter()
@@ -478,6 +479,7 @@ class Destination(_Side):
             duplicates=self.policy,
             writer=self.writer_number,
             **({"storage_options": col.storage_options} if col.storage_options else {}),
+            **({"fixed": True} if col.fixed else {}),
             **({"resume": col.resume} | role),
         )
 
@@ -574,13 +576,13 @@ class Destination(_Side):
         mismatches: Mismatches = {}
         try:
             try:
-                merged = merge(parts, self.policy, by_reference=True, mismatches=mismatches)
+                merged = merge(parts, self.policy, by_reference=True, mismatches=mismatches, fixed=self.settings.fixed)
                 self.writer.write(merged, None, mismatches)
             except DuplicateFrameError as e:
                 self.fail_all(e)
                 self.policy = DuplicatePolicy("keep")
                 self.writer.set_policy(self.policy)
-                merged = merge(parts, self.policy, by_reference=True, mismatches=mismatches)
+                merged = merge(parts, self.policy, by_reference=True, mismatches=mismatches, fixed=self.settings.fixed)
                 self.writer.write(merged, None, mismatches)
             self.duplicates += merged.duplicates
         except BaseException as e:

@@ -38,7 +38,6 @@ __all__ = [
     "Leaf",
     "RaggedSpec",
     "flatten",
-    "ragged_hint",
     "rebuild",
     "rebuild_one",
 ]
@@ -178,43 +177,6 @@ class Layout:
     def ragged(self) -> bool:
         """Whether a leaf is ragged."""
         return any(leaf.ragged for leaf in self.leaves)
-
-
-def ragged_hint(a: Layout, b: Layout) -> str:
-    """For two layouts of one filename: how to declare the leaves whose first dim is all that differs.
-
-    "" when something else differs too (a dtype, a later dim, the structure).
-
-    >>> fixed = Layout("tree", None, (Leaf(("boxes",), torch.float32, (3, 4)),))
-    >>> ragged_hint(fixed, Layout("tree", None, (Leaf(("boxes",), torch.float32, (5, 4)),))).split(" (")[0]
-    "; if a leaf's first dim changes from frame to frame, pass ragged=['boxes']"
-    """
-
-    def row(x: Leaf) -> tuple | None:  # dtype and the shape of one row, for a leaf that has rows
-        return (x.dtype, x.shape) if x.ragged else (x.dtype, x.shape[1:]) if x.shape else None
-
-    if (a.kind, a.cls, a.nontensor, [x.path for x in a.leaves]) != (
-        b.kind,
-        b.cls,
-        b.nontensor,
-        [x.path for x in b.leaves],
-    ):
-        return ""
-    names, differ = [], False
-    for x, y in zip(a.leaves, b.leaves, strict=True):
-        if x != y:
-            if row(x) is None or row(x) != row(y):
-                return ""
-            differ = True
-        if x != y or x.ragged:  # with those ragged already: passing the hint adds, never swaps
-            names.append(".".join(x.path))
-    if not differ:
-        return ""
-    spec = True if a.kind == "tensor" else names
-    return (
-        f"; if a leaf's first dim changes from frame to frame, pass ragged={spec!r} (to add(), update(), "
-        "gather(), the Collector's add() or the Lightning PredictionWriter) or give it as a jagged nested tensor"
-    )
 
 
 def _check_tensor(t: torch.Tensor, where: str) -> None:

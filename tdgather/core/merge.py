@@ -120,7 +120,11 @@ class Merged:
 
 
 def merge(
-    parts: list[Part], duplicates: Any = "keep", by_reference: bool = False, mismatches: Mismatches | None = None
+    parts: list[Part],
+    duplicates: Any = "keep",
+    by_reference: bool = False,
+    mismatches: Mismatches | None = None,
+    fixed: bool = False,
 ) -> Merged:
     """Merge parts whose payloads are in memory, in the order given (the first copy of a frame is kept).
 
@@ -131,13 +135,15 @@ def merge(
             the parts must then stay unchanged while the result is used.
         mismatches: go on past a filename sent with two layouts: keep the frames of the first
             part's layout, and record the filename and its error here (`tdgather.core.plan.place`).
+        fixed: frames declared fixed (``ragged=False``): a filename whose first dims differ is a
+            mismatch (else those leaves are made ragged, `tdgather.core.promote.unify`).
 
     Raises:
-        ShapeMismatchError: two ranks sent one filename with different layouts (without ``mismatches``).
+        ShapeMismatchError: two ranks sent one filename with layouts that do not fit (without ``mismatches``).
         DuplicateFrameError: copies of one ``(filename, frame_idx)`` that the policy refuses.
     """
     groups, found = [], DuplicateCounts()
-    for placement, members in place(parts, mismatches):
+    for placement, members in place(parts, mismatches, fixed=fixed):
         refs = _references(placement, members) if by_reference else [None] * len(placement.layout.leaves)
         copied = [j for j, r in enumerate(refs) if r is None]
         buffers = refs

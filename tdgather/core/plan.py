@@ -21,66 +21,21 @@ buffer per leaf). `Frames` are built from a group only when a file is accessed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import torch
 
 from ..errors import ShapeMismatchError
 from .duplicates import DuplicateCounts, compare, conflict
-from .frames import Frames, Layout, ragged_hint, rebuild
+from .frames import Frames, Layout, rebuild
+from .part import Part
+from .promote import SAME_LAYOUT, ragged_hint, unify
 from .ragged import Ragged, element_index, offsets_of, values_of
 from .rows import run_start, scatter_rows
 
 __all__ = ["Group", "Mismatches", "Part", "Placement", "keep_first_layouts", "place", "scatter_chunks"]
 
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
-
-
-@dataclass
-class Part:
-    """One source's frames of one layout, rows in the order they were added or sent.
-
-    Row ``r`` belongs to filename ``files[file_ids[r]]``. ``chunks`` holds the tensor leaves as
-    consecutive batches of rows (``chunks[c][j]`` is leaf ``j`` of batch ``c``); it is empty while
-    the payload is still on the wire. A ragged leaf ``j``'s chunks hold its values' rows, and
-    ``lengths[j]`` (int64 ``[n]``) how many each frame has; ``lengths`` is empty when no leaf is
-    ragged, else None for each leaf that is not.
-    """
-
-    rank: int
-    layout: Layout
-    files: list[str]
-    file_ids: torch.Tensor  # int64 [n]
-    frame_idx: torch.Tensor  # int64 [n]
-    json: list[list]
-    chunks: list[list[torch.Tensor]] = field(default_factory=list)
-    lengths: list[torch.Tensor | None] = field(default_factory=list)
-
-    @property
-    def num_frames(self) -> int:
-        """Frames in the part."""
-        return self.frame_idx.numel()
-
-    @property
-    def value_rows(self) -> int:
-        """Rows of its ragged leaves' values, all leaves together."""
-        return sum(int(n.sum()) for n in self.lengths if n is not None)
-
-    @property
-    def nbytes(self) -> int:
-        """Tensor bytes of its frames."""
-        values = [
-            int(n.sum()) * leaf.row_nbytes
-            for leaf, n in zip(self.layout.leaves, self.lengths, strict=False)
-            if n is not None
-        ]
-        return self.num_frames * self.layout.frame_nbytes + sum(values)
-
-    @cached_property
-    def names(self) -> list[str]:
-        """The filenames its rows use (found once: placement and merge both ask)."""
-        return [self.files[i] for i in torch.unique(self.file_ids).tolist()]
 
 
 @dataclass
@@ -241,13 +196,21 @@ class Placement:
 Mismatches = dict[str, tuple[Layout, ShapeMismatchError]]
 
 
-def place(parts: list[Part], mismatches: Mismatches | None = None) -> list[tuple[Placement, list[Part]]]:
+def place(
+    parts: list[Part], mismatches: Mismatches | None = None, fixed: bool = False
+) -> list[tuple[Placement, list[Part]]]:
     """Plan every layout of ``parts`` (lowest rank first); return each placement with its parts.
 
-    A filename that comes with two layouts (from one rank or two) raises `ShapeMismatchError`;
-    given ``mismatches``, it is recorded there instead, with the layout of the first part that
-    has it, and placed in both: `keep_first_layouts` then drops the frames of the other.
+    First, leaves whose first dim varies within a filename (across its parts) are made ragged in
+    every part, and so are leaves ragged in any part (`tdgather.core.promote.unify`); the members
+    returned are those promoted parts. Not with ``fixed`` (frames declared fixed, ``ragged=False``).
+
+    A filename that comes with two layouts that do not fit (from one rank or two) raises
+    `ShapeMismatchError`; given ``mismatches``, it is recorded there instead, with the layout of the
+    first part that has it, and placed in both: `keep_first_layouts` then drops the frames of the other.
     """
+    if not fixed:
+        parts = unify(parts)
     by_layout: dict[Layout, list[Part]] = {}
     owner: dict[str, tuple[Layout, int]] = {}
     for part in parts:
@@ -258,8 +221,8 @@ def place(parts: list[Part], mismatches: Mismatches | None = None) -> list[tuple
             if layout != part.layout and name not in (mismatches or ()):
                 error = ShapeMismatchError(
                     f"filename {name!r}: rank {rank} sent {layout.describe()} but rank {part.rank} sent "
-                    f"{part.layout.describe()} (ranks {sorted({rank, part.rank})}); every frame of a filename "
-                    f"must have the same structure, shape and dtype{ragged_hint(layout, part.layout)}"
+                    f"{part.layout.describe()} (ranks {sorted({rank, part.rank})}); {SAME_LAYOUT}"
+                    f"{ragged_hint(layout, part.layout)}"
                 )
                 if mismatches is None:
                     raise error

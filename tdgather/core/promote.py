@@ -1,9 +1,14 @@
-"""A leaf name has one type across a dataset: a fixed leaf made ragged where the name is ragged elsewhere.
+"""Variable-length leaves found, not declared: a leaf whose first dim varies becomes ragged.
 
-Once a leaf is ragged in any filename, it is ragged in every layout that has it (`promote`), so a
-reader gets one type for a leaf name across a dataset. A fixed column converts to a ragged one
-without a copy (`promote_columns`): its values are the same bytes, and each frame's row count is
-its first dim.
+Two layouts of one filename *fit* when they differ only in the first dim of some leaves, or in
+whether a leaf is ragged (`varying`): those leaves are then made ragged in both (`promote`), and
+the frames are one layout again. This holds wherever the two meet: in one rank's store, at rank
+dst across ranks (`unify`, before placing), against frames written earlier, and on read.
+
+A leaf name has one type across a dataset: once a leaf is ragged in any filename, a reader makes
+it ragged in every layout that has it. A fixed column converts to a ragged one without a copy
+(`promote_columns`, `promote_part`): its values are the same bytes, and each frame's row count is
+its first dim. A dim other than the first, a dtype or the set of keys never fits.
 """
 
 from __future__ import annotations
@@ -15,14 +20,67 @@ from typing import Any
 import torch
 
 from .frames import Layout, Leaf
+from .part import Part
 from .ragged import Ragged
 
-__all__ = ["dotted", "promote", "promote_columns"]
+__all__ = [
+    "SAME_LAYOUT",
+    "common_layout",
+    "dotted",
+    "promote",
+    "promote_columns",
+    "promote_part",
+    "ragged_hint",
+    "unify",
+    "varying",
+]
+
+
+# what a filename's frames must share, as error messages say it
+SAME_LAYOUT = (
+    "every frame of a filename must have the same keys and dtypes, and the same dims after the first "
+    "(a leaf whose first dim changes is made ragged)"
+)
 
 
 def dotted(leaf: Leaf) -> str:
     """A leaf's name as ``ragged=`` takes it: its dotted path (``""`` for a plain tensor)."""
     return ".".join(leaf.path)
+
+
+def _row(x: Leaf) -> tuple | None:
+    """A leaf's dtype and the shape of one row, for a leaf that has rows (ragged, or a first dim)."""
+    return (x.dtype, x.shape) if x.ragged else (x.dtype, x.shape[1:]) if x.shape else None
+
+
+def varying(a: Layout, b: Layout) -> frozenset[str] | None:
+    """The leaves that make ``a`` and ``b`` differ, when only first dims or raggedness do; else None.
+
+    >>> fixed = Layout("tree", None, (Leaf(("boxes",), torch.float32, (3, 4)),))
+    >>> sorted(varying(fixed, Layout("tree", None, (Leaf(("boxes",), torch.float32, (5, 4)),))))
+    ['boxes']
+    >>> varying(fixed, Layout("tree", None, (Leaf(("boxes",), torch.float32, (3, 5)),))) is None
+    True
+    """
+    if a == b:
+        return frozenset()
+    if (a.kind, a.cls, a.nontensor) != (b.kind, b.cls, b.nontensor) or [x.path for x in a.leaves] != [
+        y.path for y in b.leaves
+    ]:
+        return None
+    out = set()
+    for x, y in zip(a.leaves, b.leaves, strict=True):
+        if x != y:
+            if _row(x) is None or _row(x) != _row(y):
+                return None
+            out.add(dotted(x))
+    return frozenset(out)
+
+
+def common_layout(a: Layout, b: Layout) -> Layout | None:
+    """The one layout both ``a`` and ``b`` promote to, or None when they do not fit."""
+    names = varying(a, b)
+    return None if names is None else promote(a, names)
 
 
 def promote(layout: Layout, ragged: Collection[str]) -> Layout:
@@ -50,7 +108,65 @@ def promote_columns(old: Layout, new: Layout, columns: Sequence[Any]) -> list[An
     for j, (x, y) in enumerate(zip(old.leaves, new.leaves, strict=True)):
         if y.ragged and not x.ragged:
             t = out[j]
-            n = t.shape[1] if t.dim() > 1 else 0
-            values = t.reshape(t.shape[0] * n, *t.shape[2:])
-            out[j] = Ragged.from_lengths(values, torch.full((t.shape[0],), n, dtype=torch.int64))
+            n = x.shape[0]
+            out[j] = Ragged.from_lengths(t.reshape(t.shape[0] * n, *x.shape[1:]), _rows(t.shape[0], n))
     return out
+
+
+def promote_part(part: Part, layout: Layout) -> Part:
+    """``part`` as ``layout`` (its promotion) holds it: the same bytes, with each frame's rows counted.
+
+    A promoted leaf's chunks ``[B, n, *row]`` become its values ``[B * n, *row]`` (views), and its
+    lengths n per frame. ``part`` itself is left as it was.
+    """
+    if layout == part.layout:
+        return part
+    lengths = list(part.lengths) or [None] * len(layout.leaves)
+    chunks = [list(c) for c in part.chunks]
+    for j, (x, y) in enumerate(zip(part.layout.leaves, layout.leaves, strict=True)):
+        if y.ragged and not x.ragged:
+            n = x.shape[0]
+            lengths[j] = _rows(part.num_frames, n)
+            for c in chunks:
+                c[j] = c[j].reshape(c[j].shape[0] * n, *x.shape[1:])
+    return Part(part.rank, layout, part.files, part.file_ids, part.frame_idx, part.json, chunks, lengths)
+
+
+def unify(parts: list[Part]) -> list[Part]:
+    """``parts`` with every leaf made ragged that is ragged in one of them or varies within a filename.
+
+    A filename whose parts fit but differ makes the leaves that differ ragged, in every part; so
+    does a leaf ragged in any part. Layouts that do not fit are left as they are, for
+    `tdgather.core.plan.place` to report.
+    """
+    names = {dotted(x) for p in parts for x in p.layout.leaves if x.ragged}
+    if len({p.layout for p in parts if p.num_frames}) > 1:
+        seen: dict[str, Layout] = {}
+        for p in parts:
+            if not p.num_frames:
+                continue
+            for name in p.names:
+                first = seen.setdefault(name, p.layout)
+                if first != p.layout:
+                    names |= varying(first, p.layout) or set()
+    if not names:
+        return parts
+    return [promote_part(p, promote(p.layout, names)) for p in parts]
+
+
+def ragged_hint(a: Layout, b: Layout) -> str:
+    """For two layouts of one filename that fit (`varying`): why they were not made one. "" when they do not fit.
+
+    Only frames declared fixed (``ragged=False``) are refused for a first dim that changes.
+    """
+    names = varying(a, b)
+    if not names:
+        return ""
+    return (
+        f"; only the first dim of {sorted(names)} changes: that is allowed (those leaves become ragged) unless "
+        "the frames are declared fixed with ragged=False, as these were"
+    )
+
+
+def _rows(frames: int, n: int) -> torch.Tensor:
+    return torch.full((frames,), n, dtype=torch.int64)

@@ -49,8 +49,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ShapeMismatchError, UnsupportedValueError
-from .frames import Layout, RaggedSpec, check_ragged_names, flatten, ragged_hint
-from .plan import Part
+from .frames import Layout, RaggedSpec, check_ragged_names, flatten
+from .part import Part
+from .promote import SAME_LAYOUT, ragged_hint, varying
 from .ragged import Ragged
 
 __all__ = ["FrameStore", "as_index", "as_store", "index_value"]
@@ -162,8 +163,9 @@ class FrameStore:
         (3, 36)
     """
 
-    def __init__(self, copy: bool = True, saved: Mapping[str, Layout] | None = None) -> None:
+    def __init__(self, copy: bool = True, saved: Mapping[str, Layout] | None = None, fixed: bool = False) -> None:
         self.copy = copy
+        self.fixed = fixed  # frames declared fixed (ragged=False): a first dim that changes is refused
         self._saved = saved or {}  # a resumed run's layouts: a filename must keep the one it was saved with
         self._groups: dict[Layout, _Group] = {}
         self._plain: dict[tuple, _Group] = {}  # plain tensors' groups by (dtype, batch shape)
@@ -199,16 +201,21 @@ class FrameStore:
             ragged: leaves that are ragged even when every frame of this batch happens to have
                 the same first dim (a batch of one, say): dotted keys (``"boxes"``,
                 ``"det.boxes"``), or True for every tensor leaf that has a dim (fixed-size ones
-                too: name the leaves when a frame has both kinds).
+                too: name the leaves when a frame has both kinds). Not needed for a leaf whose
+                first dim changes: it is made ragged where that is found. False declares every
+                leaf fixed, from now on: a first dim that changes is then refused.
 
         Raises:
-            ShapeMismatchError: a filename this store holds with another layout; nothing of the
-                batch is kept (in a Collector, a filename sent in an earlier chunk is checked by
-                rank dst).
+            ShapeMismatchError: a filename this store holds with a layout that does not fit (another
+                dtype, dim after the first, or set of keys; any other shape with ``ragged=False``);
+                nothing of the batch is kept (in a Collector, a filename sent in an earlier chunk is
+                checked by rank dst).
         """
         n = frame_idx.shape[0] if _is_plain_index(frame_idx) else 0
         g = None
-        if ragged:
+        if ragged is False:
+            self.fixed = True
+        elif ragged:
             return self._add_any(filenames, frame_idx, frames, _ragged_spec(ragged))
         if n and type(frames) is torch.Tensor and frames.is_cpu and not frames.is_nested:
             g = self._plain.get((frames.dtype, frames.shape)) if frames.layout is torch.strided else None
@@ -255,6 +262,8 @@ class FrameStore:
         """
         fast: dict[tuple, _Bucket] = {}  # plain tensors by (dtype, shape): no Layout hashed per frame
         other: dict[Layout, _Bucket] = {}
+        if ragged is False:
+            self.fixed = True
         spec = _ragged_spec(ragged) if ragged else frozenset()
         plain_ragged = spec is True or "" in spec  # a plain tensor's rows vary: keyed by the shape of a row
         known: set[str] = set()  # the tensor leaves seen: each name in ragged= must be one of them somewhere
@@ -302,9 +311,9 @@ class FrameStore:
             _check_filenames(b.names)
             for name in dict.fromkeys(b.names):
                 first = claimed.setdefault(name, self._owner.get(name, b.layout))
-                if first != b.layout:
+                if not self._fits(first, b.layout):
                     raise _mismatch(name, first, b.layout)
-                if self._saved.get(name, b.layout) != b.layout:
+                if not self._fits(self._saved.get(name, b.layout), b.layout):
                     raise _mismatch(name, self._saved[name], b.layout, saved=True)
         for b, idx in buckets:  # checked: nothing is half-added
             tensors = [_join(ts, b.how) for ts in b.leaves]
@@ -313,20 +322,29 @@ class FrameStore:
             self._append(group, b.names, idx, tensors, b.json, copy=False)
 
     def _claim(self, g: _Group, names: list[str]) -> None:
-        """Record that ``names`` have ``g``'s layout; refuse, before anything is added, a name that has another."""
+        """Record that ``names`` have ``g``'s layout; refuse, before anything is added, a name it does not fit.
+
+        A name held in another layout that fits (`_fits`) is in both groups: rank dst makes the
+        leaves that differ ragged (`tdgather.core.plan.place`).
+        """
         if g.files.issuperset(names):  # the common case: names this group holds already
             return
         fresh = set(names).difference(g.files)
-        clash = self._owner.keys() & fresh
+        held = self._owner.keys() & fresh
+        clash = {name for name in held if not self._fits(self._owner[name], g.layout)}
         if clash:
             name = min(clash, key=names.index)
             raise _mismatch(name, self._owner[name], g.layout)
-        clash = {name for name in self._saved.keys() & fresh if self._saved[name] != g.layout}
+        clash = {name for name in self._saved.keys() & fresh if not self._fits(self._saved[name], g.layout)}
         if clash:
             name = min(clash, key=names.index)
             raise _mismatch(name, self._saved[name], g.layout, saved=True)
         g.files |= fresh
-        self._owner.update(dict.fromkeys(fresh, g.layout))
+        self._owner.update(dict.fromkeys(fresh - held, g.layout))
+
+    def _fits(self, a: Layout, b: Layout) -> bool:
+        """Whether frames of layouts ``a`` and ``b`` may share a filename (only first dims differ, unless fixed)."""
+        return a == b or (not self.fixed and varying(a, b) is not None)
 
     def _group(self, layout: Layout) -> _Group:
         group = self._groups.get(layout)
@@ -562,7 +580,7 @@ def _mismatch(name: str, first: Layout, second: Layout, saved: bool = False) -> 
         )
     return ShapeMismatchError(
         f"filename {name!r}: frames on rank {rank} have {first.describe()} and {second.describe()} "
-        f"(ranks [{rank}]); every frame of a filename must have the same structure, shape and dtype"
+        f"(ranks [{rank}]); {SAME_LAYOUT}"
         f"{ragged_hint(first, second)}"
     )
 

@@ -21,8 +21,9 @@ import torch
 from ..core.checks import FieldCheck, decode_layout
 from ..core.dtypes import SAFETENSORS_CODE, dtype_name
 from ..core.frames import Layout
+from ..core.promote import common_layout, dotted
 from ..errors import DatasetError
-from .names import FORMAT, INDEX_VERSION, SHARD_NAME, SHARD_VERSIONS, VERSIONS, GroupNames, group_names
+from .names import FORMAT, INDEX_VERSION, RAGGED_VERSION, SHARD_NAME, SHARD_VERSIONS, VERSIONS, GroupNames, group_names
 from .records import Failure, FileEntry, Segment, ShardEntry
 
 __all__ = [
@@ -116,14 +117,16 @@ class IndexPlan:
     """What the index promises, once checked.
 
     Attributes:
-        layouts: each filename's layout.
+        layouts: each filename's layout (of all its segments: joined, where their layouts differ in first dims).
         groups: each ``(shard, group)``'s layout.
         needs: per ``(shard, group)``, the rows its segments reach and the field of the segment reaching furthest.
+        ragged: the leaves (dotted) ragged in any group, or made ragged by a filename whose segments' layouts join.
     """
 
     layouts: dict[str, Layout]
     groups: dict[tuple[str, str], Layout]
     needs: dict[tuple[str, str], tuple[int, str]]
+    ragged: frozenset[str] = frozenset()
 
 
 def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
@@ -155,6 +158,7 @@ def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
     frames_in = dict.fromkeys(shards, 0)
     bytes_in = dict.fromkeys(shards, 0)  # of fixed leaves; ragged values add what the segments cannot tell
     ragged_in: set[str] = set()
+    joins: set[Layout] = set()  # the layouts of filenames whose segments' layouts differ
     for name, entry in c.mapping(index["files"], "files").items():
         f = f"files{key(name)}"
         frames, segments = FileEntry.check(entry, c, f)
@@ -166,8 +170,13 @@ def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
             if (shard, g) not in groups:
                 raise c.fail(f"{sf}.group", f"a group of {shard} ({sorted(shards[shard]['groups'])})", g)
             layout = layouts.setdefault(name, groups[shard, g])
-            if groups[shard, g] != layout:
-                raise c.fail(f"{sf}.group", f"the layout of the first segment, {layout.describe()}", g)
+            if groups[shard, g] != layout:  # from version 6, layouts that fit (one leaf's first dim) join
+                both = common_layout(layout, groups[shard, g]) if version >= RAGGED_VERSION else None
+                if both is None:
+                    fit = " (or one that differs only in a leaf's first dim)" if version >= RAGGED_VERSION else ""
+                    raise c.fail(f"{sf}.group", f"the layout of the earlier segments, {layout.describe()}{fit}", g)
+                layouts[name] = both
+                joins.add(both)
             ranges.setdefault((shard, g), []).append((start, start + count, sf))
             frame_nbytes, ragged = sizes[shard, g]
             frames_in[shard] += count
@@ -200,7 +209,8 @@ def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
     ):
         if totals[what] != want:
             raise c.fail(f"metadata.{what}", f"{want}, as the shards and files say", totals[what])
-    return IndexPlan(layouts, groups, needs)
+    ragged = {dotted(x) for layout in {*groups.values(), *joins} for x in layout.leaves if x.ragged}
+    return IndexPlan(layouts, groups, needs, frozenset(ragged))
 
 
 def shard_groups(f: Any, c: Check) -> dict:

@@ -30,6 +30,7 @@ from ..core.frames import Layout
 
 __all__ = [
     "CHECKSUM_VERSION",
+    "RAGGED_VERSION",
     "RUN_TAG",
     "shard_tag",
     "FORMAT",
@@ -118,8 +119,11 @@ def group_names(group: str, layout: Layout, version: int) -> GroupNames:
 FORMAT = "tdgather"  # the index's and every shard's "format"
 INDEX_VERSION = 3  # the index version a single writer writes (3: shards record their segments, run and attempt)
 WRITERS_VERSION = 4  # ... several writers: shard names carry the writer
-CHECKSUM_VERSION = 5  # every writer since: shards listed with their size (and sha256); names may carry their run
-VERSIONS = (1, 2, INDEX_VERSION, WRITERS_VERSION, CHECKSUM_VERSION)  # the index versions this tdgather reads
+CHECKSUM_VERSION = 5  # ... shards listed with their size (and sha256); names may carry their run
+# every writer since: a filename's segments may be in groups whose layouts differ in a leaf's first dim, or in
+# whether it is ragged (the leaf reads as ragged)
+RAGGED_VERSION = 6
+VERSIONS = (1, 2, INDEX_VERSION, WRITERS_VERSION, CHECKSUM_VERSION, RAGGED_VERSION)  # what this tdgather reads
 SHARD_VERSION = "2"  # a shard's __metadata__.version: how its tensors are named (below)
 SHARD_VERSIONS = ("1", SHARD_VERSION)  # the shard versions this tdgather reads
 INDEX_NAME = "tdgather.index.json"  # written last: its presence means "complete"
@@ -169,11 +173,11 @@ def next_number(names: Iterable[str], writer: int | None) -> int:
 def index_version(shards: Mapping[str, Mapping]) -> int:
     """The index version of a dataset of these shards (name -> entry).
 
-    5 when each is listed with its size (and, in an object store, sha256), else 4 when a name carries
-    its writer, else 3.
+    6 when each is listed with its size (and, in an object store, sha256): every writer since
+    version 5 lists them; else 4 when a name carries its writer, else 3.
     """
     if shards and all("size" in entry for entry in shards.values()):
-        return CHECKSUM_VERSION
+        return RAGGED_VERSION
     return WRITERS_VERSION if any(shard_numbers(name)[0] is not None for name in shards) else INDEX_VERSION
 
 

@@ -80,7 +80,8 @@ class PredictionWriter(BasePredictionWriter):
         keys: ``keys(batch, batch_indices, dataloader_idx) -> (filenames, frame_idx)``; picklable for ``ddp_spawn``.
         filename_key: the dict batch field holding the filenames (used when ``keys`` is None).
         frame_idx_key: the dict batch field holding the frame indexes.
-        ragged: the ragged leaves of the predictions, passed to every `Collector.add`.
+        ragged: leaves ragged from their first frame, passed to every `Collector.add` (a leaf whose first
+            dim changes is made ragged without it); False declares every leaf fixed (``Collector(ragged=False)``).
         **collector_kwargs: any `tdgather.Collector` keyword (``timeout``, ``duplicates``, ``overwrite``,
             ``memory_budget``, ``metadata``...). ``progress`` defaults to off when Lightning shows a progress bar.
 
@@ -223,6 +224,8 @@ class PredictionWriter(BasePredictionWriter):
 
     def _open(self, dataloader_idx: int) -> None:
         kwargs = {"progress": self._progress, **self.collector_kwargs}
+        if self.ragged is False:
+            kwargs["ragged"] = False
         self._col = Collector(self.path_for(dataloader_idx), **kwargs).open()
         self._idx = dataloader_idx
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from ..core.frames import Layout
+from ..core.promote import common_layout
 from ..core.runs import add_runs
 from ..format.records import Segment
 
@@ -60,7 +61,7 @@ class Catalog:
         return name in self.ids
 
     def layout(self, name: str) -> Layout | None:
-        """The layout ``name`` was written with, or None."""
+        """The layout ``name`` was written with (its segments' layouts joined, where they differ), or None."""
         i = self.ids.get(name)
         return None if i is None else self._layouts[self._layout[i]]
 
@@ -113,6 +114,11 @@ class Catalog:
                 self._set_runs(i, add_runs(None, idx))
         else:
             self._set_runs(i, add_runs(self.written(name), idx))
+            old = self._layouts[self._layout[i]]
+            if (
+                layout != old
+            ):  # a layout that fits (`tdgather.core.promote.common_layout`): the filename's is both joined
+                self._layout[i] = self._intern_layout(common_layout(old, layout) or old)
         self._append_segment(i, segment, rank)
 
     def _set_runs(self, i: int, runs: torch.Tensor) -> None:

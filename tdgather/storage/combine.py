@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from ..core.duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
-from ..core.frames import Layout, ragged_hint
+from ..core.frames import Layout
+from ..core.promote import SAME_LAYOUT, common_layout, ragged_hint
 from ..errors import DatasetError, ShapeMismatchError
 from ..format.names import shard_numbers
 from .segments import cat_columns, read_segment
@@ -33,6 +34,7 @@ def resolve(
     order_of: Mapping[str, tuple],
     frame_idx: Any,
     policy: Any,
+    fixed: bool = False,
 ) -> tuple[DuplicateCounts, dict[str, list[int]]]:
     """Keep the first copy of every frame held by several shards' sources; drop the rest from ``files``.
 
@@ -45,12 +47,14 @@ def resolve(
             (attempt, writer) are one source, which never holds a frame twice.
         frame_idx: ``frame_idx(shard, group)``: the group's frame indexes (int64).
         policy: the duplicates policy; a copy it refuses raises `DuplicateFrameError`.
+        fixed: frames declared fixed (``ragged=False``): a filename's segments may not differ in a
+            leaf's first dim (else they may: the leaf reads as ragged).
 
     Returns:
         The copies dropped, counted, and per shard the ``[frames, bytes]`` dropped from it.
 
     Raises:
-        ShapeMismatchError: one filename with two layouts in two sources.
+        ShapeMismatchError: one filename with two layouts that do not fit (`tdgather.core.promote.common_layout`).
         DatasetError: a source holds a frame twice (a shard edited by hand).
     """
     policy = DuplicatePolicy.of(policy)
@@ -61,7 +65,7 @@ def resolve(
         segments = entry["segments"]
         if len(segments) < 2:
             continue
-        if len({kind_of[s["shard"], s["group"]] for s in segments}) > 1:
+        if len({kind_of[s["shard"], s["group"]] for s in segments}) > 1 and _joined(segments, layout_of, fixed) is None:
             raise _two_layouts(name, segments, layout_of)
         if len({order_of[s["shard"]][:2] for s in segments}) > 1:
             candidates.append(name)
@@ -71,14 +75,26 @@ def resolve(
     return counts, dropped
 
 
+def _joined(segments: list[dict], layout_of: Mapping, fixed: bool = False) -> Layout | None:
+    """The one layout of ``segments``: theirs, or (not ``fixed``) theirs joined; None when they do not fit."""
+    first = layout_of[segments[0]["shard"], segments[0]["group"]]
+    for s in segments[1:]:
+        layout = layout_of[s["shard"], s["group"]]
+        if layout != first:
+            first = None if fixed else common_layout(first, layout)
+            if first is None:
+                return None
+    return first
+
+
 def _two_layouts(name: str, segments: list[dict], layout_of: Mapping) -> ShapeMismatchError:
     first = layout_of[segments[0]["shard"], segments[0]["group"]]
     other = next(s for s in segments if layout_of[s["shard"], s["group"]] != first)
     layout = layout_of[other["shard"], other["group"]]
     return ShapeMismatchError(
         f"filename {name!r}: frames in {segments[0]['shard']} have {first.describe()}, frames in "
-        f"{other['shard']} (another writer) have {layout.describe()}; every frame of a filename must "
-        f"have the same structure, shape and dtype{ragged_hint(first, layout)}"
+        f"{other['shard']} (another writer) have {layout.describe()}; {SAME_LAYOUT}"
+        f"{ragged_hint(first, layout)}"
     )
 
 
@@ -143,7 +159,7 @@ def _compare(store, name, segments, idx, which, later, kept, layout_of, policy) 
     """
     starts = torch.tensor([0] + [len(x) for x in idx]).cumsum(0)
     involved = sorted({*which[later].tolist(), *which[kept].tolist()})
-    layout = layout_of[segments[0]["shard"], segments[0]["group"]]
+    layout = _joined(segments, layout_of)  # they fit (`resolve`): read as one layout
     tensors, json_values, base, at = [], [], {}, 0
     for k in involved:
         rows = torch.cat([later[which[later] == k], kept[which[kept] == k]]) - starts[k]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..core.frames import Frames, Layout, rebuild
-from ..core.promote import dotted, promote, promote_columns
+from ..core.promote import promote, promote_columns
 from ..errors import OutputError
 from ..format.check import (
     Check,
@@ -96,10 +96,8 @@ class Dataset(Mapping[str, Frames]):
         self.metadata: dict[str, Any] = self.index["metadata"]
         self._files: dict[str, dict] = self.index["files"]
         self._run = index_run(self.index, self._index)  # every shard opened must be of this run
-        # leaves ragged in any group of the dataset: ragged in every filename that has them
-        self.ragged_leaves = frozenset(
-            dotted(leaf) for layout in self._plan.groups.values() for leaf in layout.leaves if leaf.ragged
-        )
+        # leaves ragged in any group, or in a filename whose segments' layouts join: ragged in every filename
+        self.ragged_leaves = self._plan.ragged
         self._open: OrderedDict[str, OpenShard] = OrderedDict()  # by shard name, least recently used first
         self._lock = threading.Lock()
 
@@ -158,12 +156,15 @@ class Dataset(Mapping[str, Frames]):
         return promote(stored, self.ragged_leaves) if self.ragged_leaves else stored
 
     def stored_layout(self, name: str) -> Layout:
-        """The layout a filename's frames are stored with (what its shards' tensors are read with)."""
+        """A filename's layout as its segments have it: joined where they differ in a leaf's first dim.
+
+        Leaves ragged only in other filenames are not made ragged here (as `layout` makes them).
+        """
         return self._plan.layouts[name]
 
     def read_rows(self, shard: OpenShard, group: str, name: str, lo: int, hi: int) -> tuple[torch.Tensor, list, list]:
         """Rows ``lo:hi`` of one of ``name``'s segments, as `layout` gives them (fixed leaves made ragged)."""
-        stored = self._plan.layouts[name]
+        stored = self._plan.groups[shard.shard, group]
         idx, tensors, json_values = read_rows(shard.f, shard.c, shard.names(group, stored), stored, lo, hi)
         return idx, promote_columns(stored, self.layout(name), tensors), json_values
 
@@ -173,12 +174,13 @@ class Dataset(Mapping[str, Frames]):
 
     def lengths(self, name: str) -> dict[str, torch.Tensor]:
         """Per ragged leaf (dotted key), each frame's rows, in frame order; reads only the offsets."""
-        layout, stored, out = self.layout(name), self.stored_layout(name), {}
+        layout, out = self.layout(name), {}
         ragged = [j for j, leaf in enumerate(layout.leaves) if leaf.ragged]
         if not ragged:
             return out
         idx, per_leaf = [], {j: [] for j in ragged}
         for shard, group, lo, hi in self._segments(name):
+            stored = self._plan.groups[shard.shard, group]
             names = shard.names(group, stored)
             idx.append(shard.f.get_slice(names.frame_idx)[lo:hi])
             for j in ragged:
@@ -248,7 +250,7 @@ class Dataset(Mapping[str, Frames]):
         c = Check(self.store.path(shard))
         check_run(f, c, self._run)
         check_shard(f, c, shard, self.index["shards"][shard]["groups"], self._plan, self._index)
-        opened = OpenShard(f, c, shard_version(f, c))
+        opened = OpenShard(f, c, shard_version(f, c), shard)
         with self._lock:
             self._open[shard] = opened
             while len(self._open) > OPEN_SHARDS:

@@ -47,7 +47,7 @@ from ..format.names import (
     FORMAT,
     INCOMPLETE_NAME,
     INDEX_NAME,
-    INDEX_VERSION,
+    RAGGED_VERSION,
     RUN_TAG,
     SHARD_NAME,
     index_version,
@@ -412,14 +412,20 @@ def from_index(store: Store) -> RunState:
 
 
 def from_shards(
-    store: Store, names: list[str], required: bool = True, policy: Any = "keep", frames: bool = True
+    store: Store,
+    names: list[str],
+    required: bool = True,
+    policy: Any = "keep",
+    frames: bool = True,
+    fixed: bool = False,
 ) -> RunState | None:
     """A failed attempt's state, from its shards' own records (the incomplete record adds failures).
 
     Copies of one frame in shards of several writers or attempts are resolved by ``policy``
     (`tdgather.storage.combine.resolve`); with ``frames`` False, ``written`` is left empty. A shard of an
     older tdgather, which keeps no record, raises `DatasetError`; unless ``required`` is False:
-    then this returns None.
+    then this returns None. A filename's segments may be in groups whose layouts fit (a leaf's first
+    dim differs: `tdgather.core.promote.common_layout`); not with ``fixed``.
     """
     shards: dict[str, dict] = {}
     files: dict[str, dict] = {}
@@ -479,7 +485,8 @@ def from_shards(
     if len(runs) > 1:
         raise DatasetError(store.where, "shards", f"expected the shards of one run, got runs {sorted(runs)}")
     order_of = {name: shard_order(name, attempt) for name, attempt in attempt_of.items()}
-    duplicates, dropped = resolve(store, files, layout_of, order_of, _frame_idx_of(store, layout_of), policy)
+    frame_idx = _frame_idx_of(store, layout_of)
+    duplicates, dropped = resolve(store, files, layout_of, order_of, frame_idx, policy, fixed)
     for name, (count, nbytes) in dropped.items():  # a dropped copy stays in its shard, listed by no segment
         shards[name]["frames"] -= count
         shards[name]["bytes"] -= nbytes
@@ -488,7 +495,7 @@ def from_shards(
         frames_of[attempt_of[name]] = frames_of.get(attempt_of[name], 0) + shard["frames"]
     index = {
         "format": FORMAT,
-        "version": INDEX_VERSION,
+        "version": RAGGED_VERSION,  # the rules of every index this tdgather writes
         "metadata": {
             "total_frames": sum(s["frames"] for s in shards.values()),
             "total_bytes": sum(s["bytes"] for s in shards.values()),
@@ -497,7 +504,7 @@ def from_shards(
         "shards": shards,
         "files": files,
     }
-    plan = check_index(index, store.where, incomplete=False)  # counts, overlaps, one layout per filename
+    plan = check_index(index, store.where, incomplete=False)  # counts, overlaps, layouts that join
     run = runs.pop()
     recorded = _recorded_attempts(store, run)
     attempts = []

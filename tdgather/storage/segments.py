@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..core.frames import Layout
+from ..core.promote import common_layout, promote_columns
 from ..core.ragged import Ragged
 from ..format.check import Check, check_group, check_layout, check_segment, json_scalar, names_in, shard_groups
 from ..format.names import SHARD_NAME, GroupNames, group_names
@@ -32,11 +33,13 @@ class OpenShard:
         f: the ``safe_open`` handle.
         c: the shard file's `Check` (errors name the file).
         version: the tensor names' version (`tdgather.format.names`), from its ``__metadata__``.
+        shard: the shard's name, as the index lists it.
     """
 
     f: Any
     c: Check
     version: int
+    shard: str = ""  # its name in the index
     _names: dict = field(default_factory=dict, init=False, repr=False)
 
     def names(self, group: str, layout: Layout) -> GroupNames:
@@ -55,22 +58,26 @@ def open_shard(store: Store, name: str, c: Check, field: str) -> Any:
 
 
 def read_segment(store: Store, segment: dict, layout: Layout) -> tuple[torch.Tensor, list, list]:
-    """Read one segment's ``(frame_idx, tensor leaves, JSON leaves)``, touching only its rows.
+    """Read one segment's ``(frame_idx, tensor leaves, JSON leaves)`` as ``layout`` holds them, touching only its rows.
 
-    The segment, the shard's name and header, and the group's tensors are checked against
-    ``layout`` first; a malformed one raises `DatasetError`.
+    The group may be stored with ``layout``, or with a layout that ``layout`` promotes (a leaf stored
+    fixed that is ragged in ``layout``: read without a copy, `promote_columns`). The segment, the
+    shard's name and header, and the group's tensors are checked first; a malformed one raises
+    `DatasetError`.
     """
     c = Check(store.where)
     shard, group, lo, count = check_segment(segment, c, "segment")
     s = Check(store.path(shard))
     with open_shard(store, shard, c, "segment.shard") as f:
         desc = shard_groups(f, s).get(group)
-        if desc is None or check_layout(desc, s, f"__metadata__.groups[{group!r}]") != layout:
-            raise s.fail(f"__metadata__.groups[{group!r}]", layout.describe(), desc)
-        n = check_group(f, s, group, layout)
+        stored = None if desc is None else check_layout(desc, s, f"__metadata__.groups[{group!r}]")
+        if stored is None or (stored != layout and common_layout(stored, layout) != layout):
+            raise s.fail(f"__metadata__.groups[{group!r}]", f"{layout.describe()} (or a layout it promotes)", desc)
+        n = check_group(f, s, group, stored)
         if lo + count > n:
             raise c.fail("segment", f"start + frames <= {n}, the rows of {group} in {shard}", lo + count)
-        return read_rows(f, s, names_in(f, s, group, layout), layout, lo, lo + count)
+        idx, tensors, json_values = read_rows(f, s, names_in(f, s, group, stored), stored, lo, lo + count)
+        return idx, promote_columns(stored, layout, tensors), json_values
 
 
 def cat_columns(columns: list) -> Any:

@@ -38,9 +38,10 @@ from typing import Any, NamedTuple
 import torch
 
 from ..core.duplicates import DuplicateCounts, DuplicatePolicy, compare, conflict
-from ..core.frames import Frames, Layout, flatten, ragged_hint
+from ..core.frames import Frames, Layout, flatten
 from ..core.gcpause import collection_paused
 from ..core.plan import Mismatches
+from ..core.promote import SAME_LAYOUT, common_layout, promote_columns, ragged_hint
 from ..core.ragged import Ragged, joined, offsets_of
 from ..core.runs import in_runs
 from ..errors import FrameConflictError, OutputError, ShapeMismatchError
@@ -72,7 +73,9 @@ class DatasetWriter:
        rename into place run on a background thread, overlapping what comes next). A filename
        may appear in several calls; its frames then form several segments, and a frame already
        written is compared with its copy on disk and resolved by the duplicates policy (the
-       copy on disk stays; the new one is dropped and counted, or refused);
+       copy on disk stays; the new one is dropped and counted, or refused). Its segments may
+       differ in a leaf's first dim, or in whether the leaf is ragged: the leaf then reads as
+       ragged (`tdgather.core.promote`); not with ``fixed``;
     3. ``commit()`` waits until every shard is durable, writes the index and puts the dataset in
        place; or ``abort()``, which keeps the committed shards and writes no index, only (given
        the failure) ``tdgather.incomplete.json``, which lists them.
@@ -97,9 +100,11 @@ class DatasetWriter:
         fs: LocalFS | None = None,
         storage_options: dict | None = None,
         store: Store | None = None,
+        fixed: bool = False,
     ) -> None:
         self.out = output_at(path, storage_options, fs, store)  # where the files go, and how they are committed
         self.policy = DuplicatePolicy.of(duplicates)
+        self.fixed = fixed  # frames declared fixed (ragged=False): a filename's first dims may not change
         self.max_shard_bytes = max_shard_bytes
         self.writer, self.part = writer, part
         if part is not None:  # one writer's part of a dataset the coordinator opened (`tdgather.format.parts`)
@@ -215,16 +220,16 @@ class DatasetWriter:
         return ShapeMismatchError(
             f"filename {item.name!r}: frames already written ({before}) have "
             f"{old_layout.describe()}, new ones (from ranks {_ranks_in(item.rank)}) have {item.layout.describe()}; "
-            "every frame of a filename must have the same structure, shape and dtype"
+            f"{SAME_LAYOUT}"
             f"{ragged_hint(old_layout, item.layout)}"
         )
 
     def _drop_written(self, items: list[_Item], mismatches: Mismatches | None) -> list[_Item]:
         """Resolve frames already on disk by the policy: the disk copy stays, the new one goes.
 
-        A filename written before with another layout raises (or, with ``mismatches``, is recorded
-        and left out). Every copy is compared in one pass: each shard is opened once per window of
-        rows (`_windows`), not once per filename.
+        A filename written before with a layout that does not fit (`tdgather.core.promote.common_layout`)
+        raises (or, with ``mismatches``, is recorded and left out). Every copy is compared in one
+        pass: each shard is opened once per window of rows (`_windows`), not once per filename.
         """
         out: list[_Item | None] = list(items)
         hits: list[tuple[int, torch.Tensor]] = []  # (item, which of its frames are on disk)
@@ -232,7 +237,7 @@ class DatasetWriter:
             layout = self.catalog.layout(item.name)
             if layout is None:
                 continue
-            if layout != item.layout:
+            if layout != item.layout and (self.fixed or common_layout(layout, item.layout) is None):
                 if mismatches is None:
                     raise self._mismatch(item)
                 mismatches.setdefault(item.name, (layout, self._mismatch(item)))
@@ -254,7 +259,11 @@ class DatasetWriter:
             for seg in self.catalog.segments(items[k].name):
                 by_group.setdefault((seg["shard"], seg["group"]), []).append((seg, k, again))
         for (shard, group), segs in by_group.items():
+            # the copies of one group's rows, as one layout: every filename's, written and new, joined
             layout = items[segs[0][1]].layout
+            for k in dict.fromkeys(k for _, k, _ in segs):
+                for other in (items[k].layout, self.catalog.layout(items[k].name)):
+                    layout = common_layout(layout, other) or layout
             for lo, hi, window in _windows(segs, layout):
                 window_seg = {"shard": shard, "group": group, "start": lo, "frames": hi - lo}
                 old_idx, old_tensors, old_json = read_segment(self.out.store, window_seg, layout)
@@ -277,7 +286,11 @@ class DatasetWriter:
             return
         old_pos = torch.cat(old_rows)
         leaves, json_leaves = range(len(layout.leaves)), range(len(layout.nontensor))
-        new_tensors = [cat_columns([items[k].tensors[j].index_select(0, p) for k, p in new_rows]) for j in leaves]
+        new = [
+            promote_columns(items[k].layout, layout, [t.index_select(0, p) for t in items[k].tensors])
+            for k, p in new_rows
+        ]
+        new_tensors = [cat_columns([columns[j] for columns in new]) for j in leaves]
         new_json = [[items[k].json[j][i] for k, p in new_rows for i in p.tolist()] for j in json_leaves]
         verdict = compare(
             layout,
@@ -336,7 +349,7 @@ class DatasetWriter:
         names = sorted(sums)
         if not names:  # no writer had a frame: an empty dataset
             return DuplicateCounts()
-        state = from_shards(store, names, policy=self.policy, frames=False)
+        state = from_shards(store, names, policy=self.policy, frames=False, fixed=self.fixed)
         for name, entry in state.shards.items():  # each shard's size (and sha256), as its writer put it
             entry.update({k: sums[name][k] for k in ("size", "sha256") if k in sums[name]})
         self.shards, self.catalog = state.shards, Catalog()

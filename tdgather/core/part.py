@@ -1,0 +1,58 @@
+"""One source's frames of one layout, as rank dst plans them: `Part`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from .frames import Layout
+
+__all__ = ["Part"]
+
+
+@dataclass
+class Part:
+    """One source's frames of one layout, rows in the order they were added or sent.
+
+    Row ``r`` belongs to filename ``files[file_ids[r]]``. ``chunks`` holds the tensor leaves as
+    consecutive batches of rows (``chunks[c][j]`` is leaf ``j`` of batch ``c``); it is empty while
+    the payload is still on the wire. A ragged leaf ``j``'s chunks hold its values' rows, and
+    ``lengths[j]`` (int64 ``[n]``) how many each frame has; ``lengths`` is empty when no leaf is
+    ragged, else None for each leaf that is not.
+    """
+
+    rank: int
+    layout: Layout
+    files: list[str]
+    file_ids: torch.Tensor  # int64 [n]
+    frame_idx: torch.Tensor  # int64 [n]
+    json: list[list]
+    chunks: list[list[torch.Tensor]] = field(default_factory=list)
+    lengths: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def num_frames(self) -> int:
+        """Frames in the part."""
+        return self.frame_idx.numel()
+
+    @property
+    def value_rows(self) -> int:
+        """Rows of its ragged leaves' values, all leaves together."""
+        return sum(int(n.sum()) for n in self.lengths if n is not None)
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes of its frames."""
+        values = [
+            int(n.sum()) * leaf.row_nbytes
+            for leaf, n in zip(self.layout.leaves, self.lengths, strict=False)
+            if n is not None
+        ]
+        return self.num_frames * self.layout.frame_nbytes + sum(values)
+
+    @cached_property
+    def names(self) -> list[str]:
+        """The filenames its rows use (found once: placement and merge both ask)."""
+        return [self.files[i] for i in torch.unique(self.file_ids).tolist()]

@@ -1,0 +1,181 @@
+"""Variable-length leaves found without ``ragged=``: in a batch, across batches, across ranks, after a spill."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import tdgather
+from tdgather import ShapeMismatchError
+from tdgather.core.frames import Layout, Leaf
+from tdgather.core.promote import common_layout, varying
+from tdgather.storage.writer import DatasetWriter
+from tdgather.tools.launch import WorldError, run_local_world
+
+from . import promote_cases as pc
+
+RAGGED = "{boxes: float32[*, 4], feat: float32[8], scores: float32[*]}"
+
+
+def _det(n: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "boxes": torch.rand(n, 4, generator=g),
+        "scores": torch.rand(n, generator=g),
+        "feat": torch.rand(8, generator=g),
+    }
+
+
+def test_only_a_first_dim_or_raggedness_may_differ():
+    def lay(*leaves):
+        return Layout("tree", None, tuple(Leaf(p, torch.float32, s, r) for p, s, r in leaves))
+
+    a = lay((("boxes",), (3, 4), False), (("feat",), (8,), False))
+    assert varying(a, lay((("boxes",), (5, 4), False), (("feat",), (8,), False))) == {"boxes"}
+    assert varying(a, lay((("boxes",), (4,), True), (("feat",), (8,), False))) == {"boxes"}
+    assert common_layout(a, lay((("boxes",), (0, 4), False), (("feat",), (9,), False))).describe() == (
+        "{boxes: float32[*, 4], feat: float32[*]}"
+    )
+    for other in (
+        lay((("boxes",), (3, 5), False), (("feat",), (8,), False)),  # a later dim
+        lay((("boxes",), (3, 4), False)),  # a key less
+        lay((("box",), (3, 4), False), (("feat",), (8,), False)),  # another key
+        Layout("tree", None, (Leaf(("boxes",), torch.float64, (3, 4)), Leaf(("feat",), torch.float32, (8,)))),
+    ):
+        assert varying(a, other) is None and common_layout(a, other) is None
+    scalar = Layout("tensor", None, (Leaf((), torch.float32, ()),))
+    assert varying(scalar, Layout("tensor", None, (Leaf((), torch.float32, (2,)),))) is None  # a scalar has no rows
+
+
+@pytest.mark.parametrize("form", ["update", "list", "model"])
+def test_one_rank_whose_counts_vary_after_equal_batches_needs_no_declaration(form):
+    store = tdgather.FrameStore()
+    pc.give(store, pc.mine(0, 1), 1, form)
+    out = tdgather.gather(store)
+    for name in pc.NAMES:
+        boxes = out[name].frames["boxes"]
+        assert boxes.is_nested, name
+        assert [t.shape[0] for t in boxes.unbind()] == [pc.count(name, i, 1) for i in range(pc.FRAMES)]
+
+
+def test_a_first_dim_that_changes_at_the_second_add_of_a_filename_makes_it_ragged(tmp_path):
+    store = tdgather.FrameStore()
+    store.add(["v.mp4"] * 2, [0, 1], {"boxes": torch.ones(2, 7, 4), "scores": torch.ones(2, 7)})  # 7 boxes each
+    store.add(["v.mp4"], [2], [{"boxes": torch.zeros(3, 4), "scores": torch.zeros(3)}])
+    store.update({"v.mp4": (3, {"boxes": torch.full((0, 4), 2.0), "scores": torch.zeros(0)})})
+    got = tdgather.gather(store)["v.mp4"]
+    assert [t.shape[0] for t in got.frames["boxes"].unbind()] == [7, 7, 3, 0]
+    ds = tdgather.open(tdgather.save(tdgather.gather(store), tmp_path / "ds"))
+    assert ds.index["version"] == 6 and ds.layout("v.mp4").describe() == "{boxes: float32[*, 4], scores: float32[*]}"
+    assert ds.lengths("v.mp4")["boxes"].tolist() == [7, 7, 3, 0]
+
+
+def test_a_plain_tensor_whose_first_dim_changes_is_ragged_too():
+    out = tdgather.gather({"tok.txt": [(0, torch.arange(3)), (1, torch.arange(5))]})  # a captioner's tokens
+    assert [t.tolist() for t in out["tok.txt"].frames.unbind()] == [[0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_ragged_false_keeps_every_leaf_fixed_and_refuses_a_change_where_it_comes():
+    store = tdgather.FrameStore()
+    store.add(["v"], [0], [{"boxes": torch.ones(3, 4)}], ragged=False)
+    with pytest.raises(
+        ShapeMismatchError,
+        match=r"frames on rank 0 have \{boxes: float32\[3, 4\]\} and \{boxes: float32\[2, 4\]\}.*ragged=False",
+    ):
+        store.add(["v"], [1], [{"boxes": torch.ones(2, 4)}])
+    with pytest.raises(ShapeMismatchError, match=r"ragged=False"):
+        tdgather.gather({"v": [(0, torch.ones(3)), (1, torch.ones(2))]}, ragged=False)
+    with pytest.raises(ValueError, match=r"ragged: expected None .* or False"):
+        tdgather.Collector("x", ragged=True)
+
+
+def test_frames_written_fixed_then_ragged_read_back_as_one_column(tmp_path):
+    """A writer's later segments of a filename may differ in a first dim: the index joins them."""
+    w = DatasetWriter(tmp_path / "ds")
+    w.write(tdgather.gather({"v": [(i, _det(2, i)) for i in range(3)]}))  # 2 boxes each: stored fixed
+    w.write(tdgather.gather({"v": [(i, _det(i % 3, i)) for i in range(3, 6)]}))  # stored ragged
+    w.write(tdgather.gather({"v": [(i, _det(5, i)) for i in (6, 7)]}))  # stored fixed, 5 boxes
+    w.write(tdgather.gather({"v": [(0, _det(2, 0)), (1, _det(2, 1))]}))  # copies, compared with the first shard
+    ds = tdgather.open(w.commit())
+    assert w.duplicates.dropped == 2
+    got = ds["v"]
+    assert [t.shape[0] for t in got.frames["boxes"].unbind()] == [2, 2, 2, 0, 1, 2, 5, 5]
+    for i, b in enumerate(got.frames["boxes"].unbind()):
+        assert torch.equal(b, _det(b.shape[0], i)["boxes"])
+    boxes = [g["leaves"][0] for s in ds.index["shards"].values() for g in s["groups"].values()]
+    assert sorted((b["shape"], b.get("ragged", False)) for b in boxes) == [
+        ([2, 4], False),
+        ([4], True),
+        ([5, 4], False),
+    ]
+    assert ds.layout("v").describe() == RAGGED
+    frames = ds.per_frame()
+    assert [tuple(frames[k]["frames"]["boxes"].shape) for k in range(len(frames))][2:5] == [(2, 4), (0, 4), (1, 4)]
+
+
+def test_a_copy_written_fixed_is_compared_with_a_later_ragged_one_and_a_conflict_named(tmp_path):
+    w = DatasetWriter(tmp_path / "ds", duplicates="exact")
+    w.write(tdgather.gather({"v": [(0, _det(2, 0)), (1, _det(2, 1))]}))
+    w.write(tdgather.gather({"v": [(1, _det(2, 1)), (2, _det(3, 2))]}))  # an exact copy of frame 1: dropped
+    with pytest.raises(tdgather.DuplicateFrameError, match=r"'v'.*frame_idx 0"):
+        w.write(tdgather.gather({"v": [(0, _det(1, 0)), (3, _det(4, 3))]}))  # frame 0 again, with 1 box
+    assert w.duplicates.dropped == 1
+
+
+def test_an_old_reader_is_told_the_version_and_version_5_indexes_still_read(tmp_path):
+    out = tdgather.save(tdgather.gather({"a": [(0, torch.ones(2))]}), tmp_path / "ds")
+    assert tdgather.open(out).index["version"] == 6
+    import json
+
+    index = json.loads((out / "tdgather.index.json").read_text())
+    index["version"] = 5  # what tdgather wrote before: one layout per filename, still read
+    (out / "tdgather.index.json").write_text(json.dumps(index))
+    assert tdgather.open(out)["a"].frames.tolist() == [[1.0, 1.0]]
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("form", ["update", "list", "model"])
+def test_gather_finds_counts_that_vary_across_ranks(form):
+    out = run_local_world(pc.case_gather, 2, form, timeout=120)[0]
+    assert out["files"] == sorted(pc.NAMES) and out["types"] == [True] and out["checked"] == len(pc.NAMES)
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("form, budget", [("model", 1 << 30), ("update", 1 << 16), ("list", 1 << 16)])
+def test_collector_with_no_ragged_declaration_and_spills_before_counts_vary(tmp_path, form, budget):
+    """With a 64 KiB budget, rank dst writes shards during the loop: late.mp4 as fixed first, ragged later."""
+    out = run_local_world(pc.case_collector, 3, str(tmp_path / "ds"), form, budget, 4096, timeout=180)[0]
+    assert out["files"] == len(pc.NAMES) and out["version"] == 6
+    if budget < 1 << 20:
+        assert out["shards"] > 2
+        assert "{boxes: float32[2, 4], feat: float32[8], scores: float32[2]}" not in out["stored"]  # joined
+
+
+@pytest.mark.world
+def test_resume_of_a_run_whose_first_attempt_wrote_the_leaf_fixed(tmp_path):
+    out = run_local_world(pc.case_resume, 2, str(tmp_path / "ds"), timeout=180)[0]
+    assert out["first"] == "{boxes: float32[2, 4], feat: float32[8], scores: float32[2]}"  # attempt 1: fixed
+    assert out["attempts"] == 2 and out["dups"] == pc.FRAMES // 2  # late.mp4's first half, sent again
+
+
+@pytest.mark.world
+def test_many_writers_where_one_writer_saw_only_equal_counts(tmp_path):
+    out = run_local_world(pc.case_collector, 4, str(tmp_path / "ds"), "model", 1 << 30, None, 2, timeout=180)[0]
+    assert out["files"] == len(pc.NAMES) and out["version"] == 6
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("where", ["rank", "dst"])
+def test_ragged_false_refuses_a_changing_first_dim_on_the_rank_that_can_know(tmp_path, where):
+    try:
+        out = run_local_world(pc.case_fixed, 2, str(tmp_path / "ds"), where, timeout=120)
+    except WorldError as e:
+        out = e.results
+    assert out[0]["type"] == "ShapeMismatchError" and "ragged=False" in out[0]["msg"], out
+    if where == "rank":  # rank 0 met it in its own add (rank 1 in its own, or rank 0's failure first)
+        assert "frames on rank 0 have" in out[0]["msg"] and out[1]["type"] in ("ShapeMismatchError", "PeerError")
+    else:  # each rank saw one count: rank dst finds it, naming both ranks
+        assert re.search(r"rank 0 sent .* but rank 1 sent", out[0]["msg"]), out
+    assert tdgather.open(tmp_path / "ds", incomplete=True).metadata["failure"]["type"] == "ShapeMismatchError"
