@@ -1,6 +1,7 @@
 """A detection workload (0-50 boxes per frame, and an embedding): tdgather against what users do today.
 
 Run: ``python -m benchmarks.detection --world 2 --videos 200 --repeats 3``
+(``--dense-first``: the first half of the videos has 25 boxes in every frame, see below)
 
 Per frame: ``boxes`` float32 ``[N_i, 4]``, ``scores`` float32 ``[N_i]``, ``labels`` int64 ``[N_i]``
 with N_i uniform in 0..50, and ``feat`` float32 ``[256]``; ``--videos`` videos of 100 frames, dealt
@@ -14,7 +15,15 @@ Methods, each timed on rank 0 from a barrier to its result, median of ``--repeat
   frame counts padded to the largest rank's, then all_gather of each leaf, the lengths and the
   frame ids (accelerate's pad_across_processes + gather, torchmetrics' gather_all_tensors);
 - ``gather_object``: `torch.distributed.gather_object` of the rank's ``[(filename, frame_idx,
-  {leaf: tensor})]`` (pickled).
+  {leaf: tensor})]`` (pickled);
+- ``tdgather_undeclared``, ``tdgather_collector_undeclared``: as ``tdgather_gather`` (a store filled
+  before the timing) and
+  ``tdgather_collector``, but each batch as a model with no ragged declaration gives it: where every
+  frame of the batch has the same count, dense tensors ``[B, n, 4]`` (stored fixed), else jagged.
+  With ``--dense-first`` a video's frames are split over ranks with 25 boxes each, so no rank ever
+  sees a count vary within a video of the first half, and rank dst makes the leaves ragged (in
+  `gather`, by merging once every frame has come instead of receiving into place): the cost of
+  finding the leaves ragged late, against the declared (jagged) runs above.
 
 Also reported: bytes each method puts on the wire against the frame bytes (tdgather: preludes,
 headers, frame index and pieces, from `tdgather.dist.pack`; padding: the padded tensors; pickle: the
@@ -47,11 +56,15 @@ PER_VIDEO = 100
 BATCH = 32
 
 
-def batches(videos: int, rank: int, world: int, seed: int = 0) -> list[tuple[list[str], torch.Tensor, dict]]:
+def batches(
+    videos: int, rank: int, world: int, seed: int = 0, dense_first: bool = False
+) -> list[tuple[list[str], torch.Tensor, dict]]:
     """Rank ``rank``'s batches: ``(filenames, frame_idx, {boxes, scores, labels: nested; feat})``."""
     g = torch.Generator().manual_seed(seed)
     total = videos * PER_VIDEO
     lengths = torch.randint(0, 51, (total,), generator=g)
+    if dense_first:  # the first half of the videos: 25 boxes in every frame
+        lengths[: (videos // 2) * PER_VIDEO] = 25
     mine = torch.arange(rank, total, world)
     out = []
     for lo in range(0, mine.numel(), BATCH):
@@ -84,6 +97,29 @@ def _store(data: list, copy: bool = True) -> tdgather.FrameStore:
     for names, idx, value in data:
         store.add(names, idx, value)
     return store
+
+
+def undeclared(data: list) -> list:
+    """The batches as a model gives them with no ragged declaration: dense ``[B, n, ...]`` where every count is n."""
+    out = []
+    for names, idx, value in data:
+        n = value["boxes"].offsets().diff()
+        if n.numel() and bool((n == n[0]).all()):
+            b = n.numel()
+            value = {
+                k: (v if k == "feat" else v.values().view(b, int(n[0]), *v.values().shape[1:]))
+                for k, v in value.items()
+            }
+        out.append((names, idx, value))
+    return out
+
+
+def tdgather_undeclared(data: list, ctx: dict) -> None:
+    tdgather.gather(ctx["undeclared_store"], timeout=600)
+
+
+def tdgather_collector_undeclared(data: list, ctx: dict) -> None:
+    tdgather_collector(ctx["undeclared"], ctx)
 
 
 def tdgather_wire_bytes(data: list) -> int:
@@ -193,16 +229,20 @@ METHODS = {
     "tdgather_collector": tdgather_collector,
     "pad_all_gather": pad_all_gather,
     "gather_object": gather_object,
+    "tdgather_undeclared": tdgather_undeclared,
+    "tdgather_collector_undeclared": tdgather_collector_undeclared,
 }
 
 
-def _rank(videos: int, methods: list[str], repeats: int, scratch: str) -> dict | None:
+def _rank(videos: int, methods: list[str], repeats: int, scratch: str, dense_first: bool = False) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     _return_freed_memory()
-    data = batches(videos, rank, world)
-    sizes = torch.tensor([frame_bytes(data), tdgather_wire_bytes(data), len(pickle.dumps(_as_objects(data)))])
+    data = batches(videos, rank, world, dense_first=dense_first)
+    ctx = {"scratch": scratch, "store": _store(data, copy=False), "undeclared": undeclared(data)}
+    ctx["undeclared_store"] = _store(ctx["undeclared"], copy=False)
+    sizes = [frame_bytes(data), tdgather_wire_bytes(data), len(pickle.dumps(_as_objects(data)))]
+    sizes = torch.tensor([*sizes, tdgather_wire_bytes(ctx["undeclared"])])
     dist.all_reduce(sizes)
-    ctx = {"scratch": scratch, "store": _store(data, copy=False)}
     seconds: dict[str, list[float]] = {m: [] for m in methods}
     peaks: dict[str, int] = {}
     padded_wire = 0
@@ -221,9 +261,10 @@ def _rank(videos: int, methods: list[str], repeats: int, scratch: str) -> dict |
                 padded_wire = int(wire)
     if rank != 0:
         return None
-    frames, wire, pickled = (int(x) for x in sizes)
+    frames, wire, pickled, undeclared_wire = (int(x) for x in sizes)
     wire_of = {"tdgather_gather": wire, "tdgather_store": wire, "tdgather_collector": wire}
     wire_of |= {"pad_all_gather": padded_wire, "gather_object": pickled}
+    wire_of |= {"tdgather_undeclared": undeclared_wire, "tdgather_collector_undeclared": undeclared_wire}
     return {
         "frame_bytes": frames,
         "rows": [(m, statistics.median(seconds[m]), wire_of[m], peaks[m]) for m in methods],
@@ -236,16 +277,19 @@ def main() -> None:
     parser.add_argument("--videos", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--dense-first", action="store_true", help="25 boxes in every frame of the first half")
     args = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="tdgather-det-")
     try:
-        r = run_local_world(_rank, args.world, args.videos, args.methods, args.repeats, scratch, timeout=3000)[0]
+        fn, w, a = _rank, args.world, (args.videos, args.methods, args.repeats, scratch, args.dense_first)
+        r = run_local_world(fn, w, *a, timeout=3000)[0]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     frames = r["frame_bytes"]
     base = dict((m, s) for m, s, _, _ in r["rows"]).get("tdgather_gather")
+    boxes = "25 boxes (first half of the videos) or 0-50" if args.dense_first else "0-50 boxes"
     print(
-        f"detection: {args.videos} videos x {PER_VIDEO} frames, 0-50 boxes + 256 floats per frame, "
+        f"detection: {args.videos} videos x {PER_VIDEO} frames, {boxes} + 256 floats per frame, "
         f"{frames / 1e6:.1f} MB of frames, world {args.world}, median of {args.repeats}"
     )
     print("| method | seconds | vs tdgather_gather | wire bytes / frame bytes | rank 0 peak / frame bytes |")

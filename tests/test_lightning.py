@@ -172,3 +172,34 @@ def test_several_dataloaders_need_a_template(tmp_path):
     with pytest.raises(ValueError, match="dataloader_idx"):
         trainer.predict(lightning_cases.Elementwise(), loaders, return_predictions=False)
     assert not (tmp_path / "preds").exists()
+
+
+class _Detector(L.LightningModule):
+    """Per image a dict of ``boxes [N_i, 4]`` and ``scores [N_i]``: 2 boxes each in the first batches, then 0-3."""
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        out = []
+        for i in batch["frame_idx"].tolist():
+            n = 2 if i < 4 else i % 4
+            out.append({"boxes": torch.full((n, 4), float(i)), "scores": torch.full((n,), i / 10)})
+        if len({d["boxes"].shape[0] for d in out}) == 1:  # equal counts: one dense batch, as many heads give
+            return {k: torch.stack([d[k] for d in out]) for k in out[0]}
+        return out
+
+
+def _clips() -> list:
+    return [{"filename": "clip.mp4", "frame_idx": i, "x": torch.zeros(1)} for i in range(10)]
+
+
+def test_a_detector_with_no_ragged_declaration_writes_one_ragged_column(tmp_path):
+    writer = PredictionWriter(tmp_path / "dets")
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, callbacks=[writer])
+    trainer.predict(_Detector(), torch.utils.data.DataLoader(_clips(), batch_size=2), return_predictions=False)
+    clip = tdgather.open(tmp_path / "dets")["clip.mp4"]
+    counts = [2, 2, 2, 2] + [i % 4 for i in range(4, 10)]
+    assert [t.shape[0] for t in clip.frames["boxes"].unbind()] == counts
+    assert all(bool((t == i).all()) for i, t in enumerate(clip.frames["boxes"].unbind()))
+    bad = PredictionWriter(tmp_path / "fixed", ragged=False)  # every leaf declared fixed: the change is refused
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, callbacks=[bad])
+    with pytest.raises(tdgather.ShapeMismatchError, match=r"'clip.mp4'.*ragged=False"):
+        trainer.predict(_Detector(), torch.utils.data.DataLoader(_clips(), batch_size=2), return_predictions=False)

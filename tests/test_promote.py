@@ -179,3 +179,10 @@ def test_ragged_false_refuses_a_changing_first_dim_on_the_rank_that_can_know(tmp
     else:  # each rank saw one count: rank dst finds it, naming both ranks
         assert re.search(r"rank 0 sent .* but rank 1 sent", out[0]["msg"]), out
     assert tdgather.open(tmp_path / "ds", incomplete=True).metadata["failure"]["type"] == "ShapeMismatchError"
+
+
+def test_ragged_false_refuses_a_batch_whose_frames_differ_too():
+    store = tdgather.FrameStore()
+    with pytest.raises(ShapeMismatchError, match=r"declared fixed \(ragged=False\), but \['boxes'\] vary"):
+        store.add(["v", "v"], [0, 1], [{"boxes": torch.ones(3, 4)}, {"boxes": torch.ones(2, 4)}], ragged=False)
+    assert len(store) == 0

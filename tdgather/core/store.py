@@ -13,9 +13,11 @@ group is a variable-length stack of same-shaped frames: it needs no padding.
   open block (one ``memmove`` each), after the batches before it: blocks double from 64 KiB to
   4 MiB and are sent as they are (`tdgather.dist.pack`); other batches are chunks of their own.
 
-A filename given with two layouts is refused by the `add` or `update` that brings the second
-one, and nothing of that batch is kept: a `tdgather.Collector` goes on with what it holds
-(C-level set operations on the batch's names, not a lookup per frame). Deferred to
+A filename given with a layout that does not fit its first (another dtype, dim after the first,
+or set of keys) is refused by the `add` or `update` that brings it, and nothing of that batch is
+kept: a `tdgather.Collector` goes on with what it holds (C-level set operations on the batch's
+names, not a lookup per frame). One whose first dims differ fits: the filename is then in two
+groups, and rank dst makes those leaves ragged (`tdgather.core.promote`), unless ``fixed``. Deferred to
 `FrameStore.parts` / ``groups()`` / ``names`` (C-level passes over all the rows, once):
 filenames get their ids.
 
@@ -154,6 +156,8 @@ class FrameStore:
     Args:
         copy: copy CPU tensors given to `add` (default), so the loop may reuse its output
             buffers; with False they are kept by reference and must not change until sent.
+        saved: a resumed run's layout of each filename it saved; a filename's frames must fit it.
+        fixed: every leaf declared fixed (``ragged=False``): a first dim that changes is refused.
 
     Example:
         >>> store = FrameStore()
@@ -247,6 +251,13 @@ class FrameStore:
         layout, tensors, json = flatten(frames, count, "add() frames", ragged)
         if not count:
             return
+        if self.fixed and layout.ragged:
+            leaves = [".".join(x.path) or "<tensor>" for x in layout.leaves if x.ragged]
+            raise ShapeMismatchError(
+                f"add(): filename {names[0]!r} on rank {_this_rank()}: every leaf is declared fixed (ragged=False), "
+                f"but {leaves} vary in their first dim within this batch ({layout.describe()}); drop ragged=False "
+                "to store them as ragged leaves"
+            )
         _check_filenames(names)
         group = self._groups.get(layout) or _Group(layout)
         self._claim(group, names)
