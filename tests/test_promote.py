@@ -186,3 +186,49 @@ def test_ragged_false_refuses_a_batch_whose_frames_differ_too():
     with pytest.raises(ShapeMismatchError, match=r"declared fixed \(ragged=False\), but \['boxes'\] vary"):
         store.add(["v", "v"], [0, 1], [{"boxes": torch.ones(3, 4)}, {"boxes": torch.ones(2, 4)}], ragged=False)
     assert len(store) == 0
+
+
+def test_ragged_false_on_gather_checks_a_store_that_holds_frames_already():
+    """A store filled without the declaration: gather(store, ragged=False) refuses what varies, losing nothing."""
+    store = tdgather.FrameStore()
+    store.add(["clip.mp4"] * 2, [0, 1], torch.rand(2, 3, 4))
+    store.add(["clip.mp4"] * 5, [2, 3, 4, 5, 6], torch.rand(5, 2, 4))
+    with pytest.raises(
+        ShapeMismatchError, match=r"'clip.mp4': frames on rank 0 have float32\[3, 4\] and float32\[2, 4\]"
+    ):
+        tdgather.gather(store, ragged=False)
+    assert [len(f) for f in tdgather.gather(store).values()] == [7]  # nothing was lost: without the declaration
+    varies = tdgather.FrameStore()
+    varies.add(["q.mp4"] * 2, [0, 1], [{"boxes": torch.ones(3, 4)}, {"boxes": torch.ones(2, 4)}])
+    with pytest.raises(ShapeMismatchError, match=r"'q.mp4' on rank 0: every leaf is declared fixed"):
+        tdgather.gather(varies, ragged=False)
+
+
+def test_a_collector_takes_ragged_false_for_the_whole_run_only(tmp_path):
+    with tdgather.Collector(tmp_path / "a", progress=False) as col:
+        with pytest.raises(ValueError, match=r"Collector\(path, ragged=False\)"):
+            col.add(["v"], [0], torch.ones(1, 3), ragged=False)
+        col.add(["v"], [0], torch.ones(1, 3))
+    with tdgather.Collector(tmp_path / "b", ragged=False, progress=False) as col:
+        col.add(["v"], [0], torch.ones(1, 3), ragged=False)  # the same declaration: fine
+    assert len(tdgather.open(tmp_path / "b")["v"]) == 1
+
+
+def test_a_list_batch_of_filenames_whose_layouts_differ_is_split_by_filename():
+    """Different filenames may differ (a batch of two videos of other sizes); one filename's frames may not."""
+    store = tdgather.FrameStore()
+    masks = [
+        torch.zeros(2, 6, 5, dtype=torch.bool),
+        torch.ones(1, 7, 5, dtype=torch.bool),
+        torch.zeros(3, 6, 5, dtype=torch.bool),
+    ]
+    store.add(["a.mp4", "b.mp4", "a.mp4"], [0, 0, 1], [{"masks": m} for m in masks])
+    out = tdgather.gather(store)
+    assert [t.shape for t in out["a.mp4"].frames["masks"].unbind()] == [(2, 6, 5), (3, 6, 5)]
+    b = out["b.mp4"].frames["masks"]  # ragged too: a leaf name has one type (its H differs from a's: fine)
+    assert b.is_nested and [t.shape for t in b.unbind()] == [(1, 7, 5)]
+    with pytest.raises(ShapeMismatchError, match=r"filename 'a.mp4', frame_idx 3: add\(\) frames: frame 1 of the list"):
+        store.add(["a.mp4", "b.mp4", "a.mp4"], [2, 1, 3], [{"masks": m} for m in (masks[0], masks[1], masks[1])])
+    with pytest.raises(ShapeMismatchError, match=r"filename 'c.mp4', frame_idx 1: add\(\) frames: frame 1"):
+        store.add(["c.mp4", "c.mp4"], [0, 1], [{"masks": masks[0]}, {"masks": masks[1]}])
+    assert len(store) == 3  # nothing of a refused batch was kept

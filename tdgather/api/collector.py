@@ -270,11 +270,23 @@ class Collector:
         return self._saved
 
     def add(self, filenames: str | Sequence[str], frame_idx: Any, frames: Any, *, ragged: Any = ()) -> None:
-        """Add a batch of B frames (as `FrameStore.add`); returns quickly, waits only on back-pressure."""
+        """Add a batch of B frames (as `FrameStore.add`); returns quickly, waits only on back-pressure.
+
+        ``ragged=False`` is for the whole run: pass it to the Collector (every rank and rank dst then hold to it).
+        """
+        self._check_fixed(ragged)
         self._active().add(filenames, frame_idx, frames, ragged=ragged)
+
+    def _check_fixed(self, ragged: Any) -> None:
+        if ragged is False and not self.fixed:
+            raise ValueError(
+                "add(ragged=False): every leaf fixed is declared for the whole run, so that rank dst refuses a first "
+                "dim that changes across ranks and chunks too: pass Collector(path, ragged=False) instead"
+            )
 
     def update(self, predictions: Mapping[str, Any], *, ragged: Any = ()) -> None:
         """Add ``{filename: (frame_idx, value)}`` or a list of such pairs per filename (as `FrameStore.update`)."""
+        self._check_fixed(ragged)
         self._active().update(predictions, ragged=ragged)
 
     def close(self) -> CollectorSummary | None:

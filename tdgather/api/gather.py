@@ -263,7 +263,12 @@ class _Receive:
         if not self.late:
             self._place()
             self._land_local()
-        return self._result()
+        result = self._result()
+        if self.mismatches:  # a filename with two layouts (frames declared fixed): what was given is carried
+            error = next(iter(self.mismatches.values()))[1]
+            error.received = result
+            raise error
+        return result
 
     def run(self, answers: Answers) -> Gathered:
         with ThreadPoolExecutor(max_workers=len(self.channels), thread_name_prefix="tdgather-recv") as pool:

@@ -351,10 +351,12 @@ def _flatten_list(items: list | tuple, batch: int, where: str, ragged: RaggedSpe
 
     for k, (lay, _, _) in enumerate(per):
         if skeleton(lay) != skeleton(first):
-            raise ShapeMismatchError(
+            error = ShapeMismatchError(
                 f"{where}: frame {k} of the list has {lay.describe()} but frame 0 has {first.describe()}; the frames "
-                "of a batch must share their structure and dtypes (only the first dim of a leaf may differ)"
+                "of a filename must share their structure and dtypes (only the first dim of a leaf may differ)"
             )
+            error.frame = k  # type: ignore[attr-defined]  # which frame: a caller names its filename
+            raise error
     leaves, tensors = [], []
     for j, leaf in enumerate(first.leaves):
         ts = [p[1][j] for p in per]

@@ -219,9 +219,13 @@ def place(
         for name in part.names:
             layout, rank = owner.setdefault(name, (part.layout, part.rank))
             if layout != part.layout and name not in (mismatches or ()):
+                sent = (
+                    f"frames on rank {rank} have {layout.describe()} and {part.layout.describe()}"
+                    if rank == part.rank
+                    else f"rank {rank} sent {layout.describe()} but rank {part.rank} sent {part.layout.describe()}"
+                )
                 error = ShapeMismatchError(
-                    f"filename {name!r}: rank {rank} sent {layout.describe()} but rank {part.rank} sent "
-                    f"{part.layout.describe()} (ranks {sorted({rank, part.rank})}); {SAME_LAYOUT}"
+                    f"filename {name!r}: {sent} (ranks {sorted({rank, part.rank})}); {SAME_LAYOUT}"
                     f"{ragged_hint(layout, part.layout)}"
                 )
                 if mismatches is None:

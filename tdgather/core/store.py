@@ -218,7 +218,7 @@ class FrameStore:
         n = frame_idx.shape[0] if _is_plain_index(frame_idx) else 0
         g = None
         if ragged is False:
-            self.fixed = True
+            self.declare_fixed()
         elif ragged:
             return self._add_any(filenames, frame_idx, frames, _ragged_spec(ragged))
         if n and type(frames) is torch.Tensor and frames.is_cpu and not frames.is_nested:
@@ -248,23 +248,24 @@ class FrameStore:
                 f"add(): got {len(names)} filenames and {count} frame indices; expected one filename and one "
                 "frame_idx per frame (and frames with that batch dimension)"
             )
-        layout, tensors, json = flatten(frames, count, "add() frames", ragged)
+        try:
+            batches = [(names, idx, *flatten(frames, count, "add() frames", ragged))]
+        except ShapeMismatchError as e:  # a list whose frames differ: each filename's frames a batch of their own
+            batches = _by_filename(names, idx, frames, ragged, e)
         if not count:
             return
-        if self.fixed and layout.ragged:
-            leaves = [".".join(x.path) or "<tensor>" for x in layout.leaves if x.ragged]
-            raise ShapeMismatchError(
-                f"add(): filename {names[0]!r} on rank {_this_rank()}: every leaf is declared fixed (ragged=False), "
-                f"but {leaves} vary in their first dim within this batch ({layout.describe()}); drop ragged=False "
-                "to store them as ragged leaves"
-            )
         _check_filenames(names)
-        group = self._groups.get(layout) or _Group(layout)
-        self._claim(group, names)
-        self._groups.setdefault(layout, group)
-        if type(frames) is torch.Tensor and not layout.ragged:
-            self._plain[(frames.dtype, frames.shape)] = group
-        self._append(group, names, idx, tensors, json, self.copy)
+        for sub, _, layout, _, _ in batches:  # all checked before anything is kept
+            if self.fixed and layout.ragged:
+                raise _declared_fixed(sub[0], layout)
+            self._refuse(layout, sub, self._groups[layout].files if layout in self._groups else set())
+        for sub, sub_idx, layout, tensors, json in batches:
+            group = self._groups.get(layout) or _Group(layout)
+            self._claim(group, sub)
+            self._groups.setdefault(layout, group)
+            if type(frames) is torch.Tensor and not layout.ragged:
+                self._plain[(frames.dtype, frames.shape)] = group
+            self._append(group, sub, sub_idx, tensors, json, self.copy)
 
     def update(self, predictions: Mapping[str, Any], *, ragged: bool | str | Iterable[str] = ()) -> None:
         """Add ``{filename: (frame_idx, value)}`` or ``{filename: [(frame_idx, value), ...]}``.
@@ -274,7 +275,7 @@ class FrameStore:
         fast: dict[tuple, _Bucket] = {}  # plain tensors by (dtype, shape): no Layout hashed per frame
         other: dict[Layout, _Bucket] = {}
         if ragged is False:
-            self.fixed = True
+            self.declare_fixed()
         spec = _ragged_spec(ragged) if ragged else frozenset()
         plain_ragged = spec is True or "" in spec  # a plain tensor's rows vary: keyed by the shape of a row
         known: set[str] = set()  # the tensor leaves seen: each name in ragged= must be one of them somewhere
@@ -340,18 +341,38 @@ class FrameStore:
         """
         if g.files.issuperset(names):  # the common case: names this group holds already
             return
-        fresh = set(names).difference(g.files)
-        held = self._owner.keys() & fresh
-        clash = {name for name in held if not self._fits(self._owner[name], g.layout)}
-        if clash:
-            name = min(clash, key=names.index)
-            raise _mismatch(name, self._owner[name], g.layout)
-        clash = {name for name in self._saved.keys() & fresh if not self._fits(self._saved[name], g.layout)}
-        if clash:
-            name = min(clash, key=names.index)
-            raise _mismatch(name, self._saved[name], g.layout, saved=True)
+        fresh = self._refuse(g.layout, names, g.files)
         g.files |= fresh
-        self._owner.update(dict.fromkeys(fresh - held, g.layout))
+        self._owner.update(dict.fromkeys(fresh - self._owner.keys(), g.layout))
+
+    def _refuse(self, layout: Layout, names: list[str], files: set[str]) -> set[str]:
+        """Raise for a name whose held (or saved) layout ``layout`` does not fit; return the names not in ``files``."""
+        fresh = set(names).difference(files)
+        held = self._owner.keys() & fresh
+        clash = {name for name in held if not self._fits(self._owner[name], layout)}
+        if clash:
+            name = min(clash, key=names.index)
+            raise _mismatch(name, self._owner[name], layout)
+        clash = {name for name in self._saved.keys() & fresh if not self._fits(self._saved[name], layout)}
+        if clash:
+            name = min(clash, key=names.index)
+            raise _mismatch(name, self._saved[name], layout, saved=True)
+        return fresh
+
+    def declare_fixed(self) -> None:
+        """Declare every leaf fixed from now on (``ragged=False``), refusing what this store holds that is not.
+
+        Raises:
+            ShapeMismatchError: a leaf held ragged, or a filename held with two first dims.
+        """
+        for layout, g in self._groups.items():
+            if layout.ragged and g.files:
+                raise _declared_fixed(min(g.files), layout)
+        for layout, g in self._groups.items():
+            for name in g.files:
+                if self._owner[name] != layout:
+                    raise _mismatch(name, self._owner[name], layout)
+        self.fixed = True
 
     def _fits(self, a: Layout, b: Layout) -> bool:
         """Whether frames of layouts ``a`` and ``b`` may share a filename (only first dims differ, unless fixed)."""
@@ -485,6 +506,8 @@ class FrameStore:
 def as_store(predictions: FrameStore | Mapping[str, Any], ragged: Any = ()) -> FrameStore:
     """Return ``predictions`` as a `FrameStore` (a store passes through); ``ragged`` as `FrameStore.update` takes it."""
     if isinstance(predictions, FrameStore):
+        if ragged is False:
+            predictions.declare_fixed()
         return predictions
     if not isinstance(predictions, Mapping):
         raise UnsupportedValueError(
@@ -578,6 +601,42 @@ def _check_filenames(names: list) -> None:
         for name in names:
             _check_filename(name)
         raise
+
+
+def _by_filename(names: list[str], idx: torch.Tensor, frames: Any, ragged: RaggedSpec, error: Exception) -> list[tuple]:
+    """A list of frames that differ, as one batch per filename: ``(names, frame_idx, layout, tensors, json)``.
+
+    Frames of different filenames may differ; frames of one filename that do not fit raise ``error``,
+    naming the filename and frame_idx.
+    """
+    k = getattr(error, "frame", None)
+    if k is None or not isinstance(frames, list | tuple):
+        raise error
+    positions: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        positions.setdefault(name, []).append(i)
+    if len(positions) == 1:
+        raise ShapeMismatchError(f"filename {names[k]!r}, frame_idx {int(idx[k])}: {error}") from None
+    out = []
+    for name, pos in positions.items():
+        try:
+            out.append(
+                ([name] * len(pos), idx[pos], *flatten([frames[i] for i in pos], len(pos), "add() frames", ragged))
+            )
+        except ShapeMismatchError as e:
+            j = getattr(e, "frame", None)
+            if j is None:
+                raise
+            raise ShapeMismatchError(f"filename {name!r}, frame_idx {int(idx[pos[j]])}: {e}") from None
+    return out
+
+
+def _declared_fixed(name: str, layout: Layout) -> ShapeMismatchError:
+    leaves = [".".join(x.path) or "<tensor>" for x in layout.leaves if x.ragged]
+    return ShapeMismatchError(
+        f"filename {name!r} on rank {_this_rank()}: every leaf is declared fixed (ragged=False), but {leaves} "
+        f"vary in their first dim ({layout.describe()}); drop ragged=False to store them as ragged leaves"
+    )
 
 
 def _mismatch(name: str, first: Layout, second: Layout, saved: bool = False) -> ShapeMismatchError:

@@ -158,7 +158,9 @@ class Dataset(Mapping[str, Frames]):
     def stored_layout(self, name: str) -> Layout:
         """A filename's layout as its segments have it: joined where they differ in a leaf's first dim.
 
-        Leaves ragged only in other filenames are not made ragged here (as `layout` makes them).
+        A leaf stored fixed in one segment and with another first dim (or ragged) in another is
+        ragged here; the index's groups say how each segment is stored. Leaves ragged only in other
+        filenames are not made ragged here (as `layout` makes them).
         """
         return self._plan.layouts[name]
 
