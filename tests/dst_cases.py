@@ -15,10 +15,22 @@ def _outcome(fn) -> dict:
     return {"value": value}
 
 
+def _subgroup(rank: int):
+    """Global ranks 1 and 3's gloo group (a collective: every rank makes it), connected on both before use.
+
+    A member that raises at once would otherwise close its end while the other still connects
+    ("Gloo connectFullMesh failed ... Connection closed by peer", seen under load).
+    """
+    group = dist.new_group([1, 3], backend="gloo")
+    if rank in (1, 3):
+        dist.barrier(group=group)
+    return group
+
+
 def case_gather_in_a_subgroup(how: dict) -> dict:
     """Global ranks 1 and 3 gather in their own group; who holds the result (by global rank)."""
     rank = dist.get_rank()
-    group = dist.new_group([1, 3], backend="gloo")  # collective: every rank makes it
+    group = _subgroup(rank)
     if rank not in (1, 3):
         return {"member": False}
     preds = {f"from_{rank}.mp4": (0, torch.full((2,), float(rank)))}
@@ -38,7 +50,7 @@ def case_gather_in_a_subgroup(how: dict) -> dict:
 def case_collector_in_a_subgroup(out: str, how: dict) -> dict:
     """Global ranks 1 and 3 collect in their own group; which global rank wrote (and returned a summary)."""
     rank = dist.get_rank()
-    group = dist.new_group([1, 3], backend="gloo")
+    group = _subgroup(rank)
     if rank not in (1, 3):
         return {"member": False}
 
