@@ -41,7 +41,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import math
-import operator
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,11 +51,12 @@ import torch.distributed as dist
 
 from ..errors import ShapeMismatchError, UnsupportedValueError
 from .frames import Layout, RaggedSpec, check_ragged_names, flatten
+from .inputs import as_index, check_filenames
 from .part import Part
 from .promote import SAME_LAYOUT, ragged_hint, varying
 from .ragged import Ragged
 
-__all__ = ["FrameStore", "as_index", "as_store", "index_value"]
+__all__ = ["FrameStore", "as_store"]
 
 _SMALL = 64 << 10  # a copied batch of at most this many bytes goes into its layout's open block
 _BLOCK_MIN = 64 << 10  # a layout's first block; each next one twice as large, up to _BLOCK_MAX
@@ -227,7 +227,7 @@ class FrameStore:
         if g is None or frames.size(0) != n or len(names) != n:
             return self._add_any(filenames, frame_idx, frames)
         # the common case, fast: a CPU tensor of a dtype and shape seen before, int64 frame indexes
-        _check_filenames(names)
+        check_filenames(names)
         self._claim(g, names)
         g.pending += names
         if self.copy and n <= g.small and frames.is_contiguous() and not (frames.is_conj() or frames.is_neg()):
@@ -254,7 +254,7 @@ class FrameStore:
             batches = _by_filename(names, idx, frames, ragged, e)
         if not count:
             return
-        _check_filenames(names)
+        check_filenames(names)
         for sub, _, layout, _, _ in batches:  # all checked before anything is kept
             if self.fixed and layout.ragged:
                 raise _declared_fixed(sub[0], layout)
@@ -320,7 +320,7 @@ class FrameStore:
         buckets = [(b, as_index(b.idx, "frame_idx", b.names)) for b in [*fast.values(), *other.values()]]
         claimed: dict[str, Layout] = {}
         for b, _ in buckets:
-            _check_filenames(b.names)
+            check_filenames(b.names)
             for name in dict.fromkeys(b.names):
                 first = claimed.setdefault(name, self._owner.get(name, b.layout))
                 if not self._fits(first, b.layout):
@@ -534,48 +534,6 @@ def _not_a_pair(name: str, got: Any) -> UnsupportedValueError:
     )
 
 
-def index_value(x: Any) -> int | None:
-    """``x`` as one integer index (an int, a numpy integer, a one-element integer tensor or array), else None."""
-    if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
-        return None
-    if not isinstance(x, torch.Tensor) and hasattr(x, "__array__") and getattr(x, "size", 0) == 1:
-        x = torch.as_tensor(x).reshape(())  # a one-element numpy array
-        if x.dtype == torch.bool:
-            return None
-    try:
-        return operator.index(x)
-    except TypeError:
-        return None
-
-
-_INDEX_RULE = "integers (int, numpy integers, integer tensors or arrays); floats and bools are refused, not truncated"
-
-
-def as_index(frame_idx: Any, where: str, names: Sequence[str] | None = None) -> torch.Tensor:
-    """The frame indices as int64 ``[B]`` on the CPU, refusing anything that is not integral."""
-    if not isinstance(frame_idx, torch.Tensor) and hasattr(frame_idx, "__array__") and hasattr(frame_idx, "dtype"):
-        frame_idx = torch.as_tensor(frame_idx)  # a numpy array
-    if isinstance(frame_idx, torch.Tensor):
-        dt = frame_idx.dtype
-        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
-            raise UnsupportedValueError(f"{where}: expected {_INDEX_RULE}, got a tensor of dtype {dt}")
-        if frame_idx.dim() > 1:
-            raise ValueError(f"{where}: expected one index per frame (1-d), got shape {list(frame_idx.shape)}")
-        return frame_idx.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
-    if isinstance(frame_idx, str | bytes) or not isinstance(frame_idx, Sequence | Iterable):
-        raise UnsupportedValueError(f"{where}: expected a sequence of {_INDEX_RULE}, got {type(frame_idx).__name__}")
-    values = []
-    for k, i in enumerate(frame_idx):
-        value = index_value(i)
-        owner = f" (filename {names[k]!r})" if names is not None else f" (position {k})"
-        if value is None:
-            raise UnsupportedValueError(f"{where}{owner}: expected {_INDEX_RULE}, got {type(i).__name__} {i!r:.40}")
-        if not -(2**63) <= value < 2**63:
-            raise UnsupportedValueError(f"{where}{owner}: expected an index that fits in int64, got {value}")
-        values.append(value)
-    return torch.tensor(values, dtype=torch.int64)
-
-
 def _is_plain_index(x: Any) -> bool:
     """Whether ``x`` is frame indexes that may be copied as they are: int64 ``[B]``, contiguous, CPU."""
     return (
@@ -591,16 +549,6 @@ def _is_plain_index(x: Any) -> bool:
 def _unflagged(t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes are its values: no conjugate or negative bit."""
     return not (t.is_conj() or t.is_neg())
-
-
-def _check_filenames(names: list) -> None:
-    """Every filename is a str that UTF-8 can encode: one join and encode, or the first that is not."""
-    try:
-        "".join(names).encode("utf-8")
-    except (TypeError, UnicodeEncodeError):
-        for name in names:
-            _check_filename(name)
-        raise
 
 
 def _by_filename(names: list[str], idx: torch.Tensor, frames: Any, ragged: RaggedSpec, error: Exception) -> list[tuple]:
@@ -663,23 +611,6 @@ def _ragged_spec(ragged: bool | str | Iterable[str]) -> RaggedSpec:
     if not all(isinstance(x, str) for x in names):
         raise TypeError(f"add(): expected ragged=True or dotted keys (str), got {ragged!r:.80}")
     return frozenset(names)
-
-
-def _check_filename(name: Any) -> None:
-    """A filename must be a str that UTF-8 can encode (it travels in JSON headers and the index)."""
-    if not isinstance(name, str):
-        raise UnsupportedValueError(
-            f"expected str filenames, got {type(name).__name__} {name!r:.80}; pass the names as a list of str "
-            "(a DataLoader's default collate gives one)"
-        )
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise UnsupportedValueError(
-            f"filename {name!r:.200} cannot be encoded as UTF-8 ({e.reason} at position {e.start}); it looks like "
-            "os.fsdecode() of a non-UTF-8 name: pass a UTF-8 name, for example name.encode('utf-8', "
-            "'surrogateescape').decode('utf-8', 'backslashreplace')"
-        ) from None
 
 
 def _join(tensors: list, how: str) -> Any:

@@ -30,8 +30,8 @@ import torch
 from ..core.checks import ProtocolCheck, decode_layout
 from ..core.duplicates import DuplicateCounts
 from ..core.frames import Layout
+from ..core.inputs import as_index, index_value
 from ..core.runs import add_runs
-from ..core.store import as_index, index_value
 from ..errors import DatasetError, OutputError
 from ..format.check import (
     Check,
