@@ -17,7 +17,8 @@ they test:
 - rows 22 and 23 (resume after a kill; a resume that does not fit): test_resume;
 - row 24 (one writer per block of ranks): test_writers, test_torchrun, test_lightning;
 - row 25 (SIGTERM): test_sigterm; row 26 (object storage): test_objects;
-- row 27 (first dims that vary, with no ``ragged=``): test_promote.
+- row 27 (first dims that vary, with no ``ragged=``): test_promote;
+- row 28 (same-host senders through shared memory): test_shm.
 
 Rows 5-7 are also fuzzed without processes in test_codec (hypothesis). The time to error of the
 kill and stop rows is printed (``pytest -s``) for the release note.

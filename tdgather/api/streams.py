@@ -33,6 +33,7 @@ from ..core.pool import BufferPool
 from ..core.store import FrameStore
 from ..dist.pack import pack
 from ..dist.protocol import Joiner, end_stream, expect_done, read_frames, send_frames
+from ..dist.shm import SegmentWriter, host_token, sweep
 from ..dist.transport import Answers, Call, heartbeat_interval, peer_error
 from ..dist.wire import HEARTBEAT, Kind, error_header
 from ..errors import DuplicateFrameError, PeerError, PeerLostError, ProtocolError
@@ -142,6 +143,7 @@ class CollectorSummary:
     close_seconds: float = 0.0
     duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
     combine_seconds: float = 0.0  # with several writers: reading their shards' records, copies across them
+    shared_chunks: int = 0  # chunks received through shared memory (senders on rank dst's host), not gloo
 
     @property
     def throughput_mb_s(self) -> float:
@@ -277,6 +279,9 @@ class Sender(_Side):
             self.saved = Saved.from_wire(ready.header["saved"], settings.dst)
             self.store = self._new_store()
         self.run = check_run(ready.header["run"], settings.dst) if "run" in ready.header else None
+        # rank dst on this host: chunks go through shared memory segments (`tdgather.dist.shm`)
+        here = host_token()
+        self.segments = SegmentWriter() if here is not None and ready.header.get("host") == here else None
         self.answer = None
         self.joiner = Joiner(reuse=True)
         self.thread = threading.Thread(target=self._send_loop, name="tdgather-send", daemon=True)
@@ -322,7 +327,7 @@ class Sender(_Side):
                 if isinstance(item, BaseException):
                     self.ch.wait(end_stream(self.ch, error=item), "the error message")
                     return
-                self.ch.wait(send_frames(self.ch, pack(item), self.joiner), "a chunk")
+                self.ch.wait(send_frames(self.ch, pack(item), self.joiner, self.segments), "a chunk")
                 self.joiner.wait(self.ch)
                 self.frames += len(item)
         except BaseException as e:
@@ -357,6 +362,7 @@ class Sender(_Side):
         self._join_send_thread()
         self.check()
         self.watcher.join()  # ends with dst's answer, or once dst is silent for the timeout
+        self._clean_segments()
         self.check()
 
     def abort(self, exc: BaseException) -> None:
@@ -373,6 +379,12 @@ class Sender(_Side):
         self._put_while_sending(exc, deadline)
         self._join_send_thread()
         self.watcher.join(self.timeout.total_seconds())
+        self._clean_segments()
+
+    def _clean_segments(self) -> None:
+        """Once dst has answered (it has read every data message), remove the segments it did not take."""
+        if self.segments is not None and not self.watcher.is_alive():
+            self.segments.cleanup()
 
     def _put_while_sending(self, item: Any, deadline: float) -> None:
         """Queue an item behind the unsent chunks; if the send loop ends or stalls first, drop them all."""
@@ -431,11 +443,13 @@ class Destination(_Side):
         self.write_failed = False
         self.received = dict.fromkeys(sorted([rank, *peers]), 0)
         self.received_bytes = dict.fromkeys(sorted([rank, *peers]), 0)
+        self.shared_chunks = 0  # chunks whose pieces came in a shared memory segment
         # peers that failed themselves: answered only once what they sent is saved, so that they stay
         # alive until then (launchers stop every process as soon as one exits with an error)
         self.held: set[int] = set()
         self.duplicates = DuplicateCounts()  # dropped within spills; the writer counts those against the disk
         self.pool = BufferPool(col.pool_bytes)  # received buffers, reused within the budget
+        sweep()  # segments left on this host by processes that died (a sender killed mid-write)
         try:
             self.user_metadata = user_metadata(col.metadata)  # before any file: a bad value fails every rank now
             self.writer = self._make_sink()
@@ -488,8 +502,10 @@ class Destination(_Side):
         return self.writer.saved
 
     def _ready(self) -> dict[str, Any]:
-        """The ready answer: the output can be written, and what a resumed run saved."""
-        return {"frames": 0, "saved": self.saved.to_wire()} if self.saved else {"frames": 0}
+        """The ready answer: the output can be written, what a resumed run saved, and (segments on) this host."""
+        out: dict[str, Any] = {"frames": 0, "saved": self.saved.to_wire()} if self.saved else {"frames": 0}
+        host = host_token()
+        return {**out, "host": host} if host is not None else out
 
     def _end_of(self, peer: int, msg: Any) -> None:
         """A peer's ``done`` (a plain sender's carries nothing more)."""
@@ -518,6 +534,7 @@ class Destination(_Side):
                 if msg.header.groups:  # after a failure too: what arrives is still written
                     taken: list = []
                     parts = read_frames(ch, msg, functools.partial(self.pool.take, into=taken))
+                    self.shared_chunks += msg.header.shm is not None
                     frames += msg.header.num_frames
                     self.queue.put(("parts", peer, (parts, taken)))
         except BaseException as e:
@@ -653,6 +670,7 @@ class Destination(_Side):
             close_seconds=end - closing,
             duplicates=dups,
             combine_seconds=combined,
+            shared_chunks=self.shared_chunks,
         )
 
     def _end_local(self) -> None:

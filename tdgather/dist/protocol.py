@@ -6,7 +6,8 @@ groups is a heartbeat. Rank dst answers each sender ``done`` or ``error`` once, 
 heartbeats until then (`tdgather.dist.transport.Answers`).
 
 - `send_frames` posts a packed store (`tdgather.dist.pack`): the data message, then each piece, a
-  batch as the sender holds it or small batches joined;
+  batch as the sender holds it or small batches joined; to a peer on the same host, the pieces
+  written into one shared memory segment instead, named in the data message (`tdgather.dist.shm`);
 - `read_pieces` receives the pieces of a data message where rank dst wants them (``land``),
   running the previous piece's scatter while the next is on the wire;
 - `read_frames` receives them into new buffers, in the sender's row order (the Collector);
@@ -21,11 +22,12 @@ from typing import Any
 import torch
 
 from ..errors import ProtocolError
-from ..core.frames import Leaf
+from ..core.frames import Layout, Leaf
 from .pack import PIECE_MIN, PIECE_TARGET, Packed
 from ..core.plan import Part
+from .shm import SegmentWriter, open_segment
 from .transport import Channel, Message, peer_error
-from .wire import DataHeader, Kind, error_header
+from .wire import DataHeader, Kind, error_header, segment_offsets
 
 __all__ = ["Joiner", "end_stream", "expect_done", "read_frames", "read_pieces", "send_frames"]
 
@@ -73,11 +75,17 @@ class Joiner:
             self._works[k] = []
 
 
-def send_frames(ch: Channel, packed: Packed, joiner: Joiner) -> list:
+def send_frames(ch: Channel, packed: Packed, joiner: Joiner, segments: SegmentWriter | None = None) -> list:
     """Post a packed store: its data message, then every piece; return the works to wait for.
 
-    Sends of joined pieces in reused buffers are the joiner's to wait for (`Joiner.wait`).
+    Sends of joined pieces in reused buffers are the joiner's to wait for (`Joiner.wait`). With
+    ``segments`` (the peer shares this host), the pieces go into a segment instead, when one can be made.
     """
+    if segments is not None and packed.pieces:
+        offsets, size = _piece_offsets(packed.header)
+        name = segments.write(packed.pieces, offsets, size)
+        if name is not None:
+            return ch.send(Kind.DATA, {**packed.header, "shm": {"name": name, "size": size}}, packed.index)
     works = ch.send(Kind.DATA, packed.header, packed.index)
     for piece in packed.pieces:
         if len(piece) == 1:
@@ -94,13 +102,53 @@ def end_stream(ch: Channel, frames: int | None = None, error: BaseException | No
     return ch.send(Kind.DONE, {"frames": frames, **more})
 
 
+def _piece_offsets(header: dict) -> tuple[list[int], int]:
+    """Where each piece of a packed header goes in a segment (in piece order), and the segment's size."""
+    groups = [(Layout.from_json(g["layout"]), tuple(g["elems"])) for g in header["groups"]]
+    starts, size = segment_offsets(groups)
+    out, k = [], 0
+    for (layout, _), g in zip(groups, header["groups"], strict=True):
+        for leaf, counts in zip(layout.leaves, g["pieces"], strict=True):
+            at = starts[k]
+            for rows in counts:
+                out.append(at)
+                at += rows * leaf.row_nbytes
+            k += 1
+    return out, size
+
+
+def segment_columns(ch: Channel, header: DataHeader) -> list[list[torch.Tensor]]:
+    """Per group, per tensor leaf: its rows in the data message's segment (views of its mapping)."""
+    name, size = header.shm
+    data = open_segment(name, size, ch.peer)
+    starts, _ = segment_offsets([(g.layout, g.elems) for g in header.groups])
+    out, k = [], 0
+    for g in header.groups:
+        columns = []
+        for leaf, n in zip(g.layout.leaves, g.elems, strict=True):
+            nbytes = n * leaf.row_nbytes
+            raw = data[starts[k] : starts[k] + nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
+            columns.append(raw.view(leaf.dtype).view(n, *leaf.shape) if nbytes else torch.empty((n, *leaf.shape), dtype=leaf.dtype))
+            k += 1
+        out.append(columns)
+    return out
+
+
 def read_pieces(ch: Channel, header: DataHeader, land: Land) -> None:
-    """Receive the pieces that follow ``header``.
+    """Receive the pieces that follow ``header`` (or copy them from its segment).
 
     ``land(group, leaf, first_row, rows)`` gives the uint8 tensor a piece is received into and
     what to run once it is there (or None); that runs while the next piece is on the wire, so it
     must not touch the next piece's tensor.
     """
+    if header.shm is not None:
+        columns = segment_columns(ch, header)
+        for g, j, first, rows in header.pieces():
+            into, then = land(g, j, first, rows)
+            into.copy_(as_bytes(columns[g][j][first : first + rows]))
+            if then is not None:
+                then()
+        return
     pending = None
     for g, j, first, rows in header.pieces():
         into, then = land(g, j, first, rows)
@@ -123,13 +171,15 @@ def read_frames(ch: Channel, msg: Message, take: Callable[[int], torch.Tensor] |
         nbytes = rows * leaf.row_nbytes
         return take(nbytes)[:nbytes].view(leaf.dtype).view(rows, *leaf.shape)
 
-    # a ragged leaf's column holds its values: elems rows
-    columns = [[column(n, leaf) for n, leaf in zip(g.elems, g.layout.leaves, strict=True)] for g in header.groups]
+    if header.shm is not None:  # the rows are in place already: views of the segment, no copy
+        columns = segment_columns(ch, header)
+    else:  # a ragged leaf's column holds its values: elems rows
+        columns = [[column(n, leaf) for n, leaf in zip(g.elems, g.layout.leaves, strict=True)] for g in header.groups]
 
-    def land(g: int, j: int, first: int, rows: int) -> tuple[torch.Tensor, None]:
-        return as_bytes(columns[g][j][first : first + rows]), None
+        def land(g: int, j: int, first: int, rows: int) -> tuple[torch.Tensor, None]:
+            return as_bytes(columns[g][j][first : first + rows]), None
 
-    read_pieces(ch, header, land)
+        read_pieces(ch, header, land)
     files = list(header.files)
     return [
         Part(ch.peer, g.layout, files, ids, idx, list(g.json), [columns[k]], lengths)

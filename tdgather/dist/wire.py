@@ -58,11 +58,13 @@ __all__ = [
     "encode_json",
     "error_header",
     "index_offsets",
+    "segment_offsets",
 ]
 
 MAGIC = int.from_bytes(b"tdgather", "big")
 HEARTBEAT = {"files": [], "groups": []}  # the header of an empty data message
-VERSION = 5  # 4: ragged leaves (elems, lengths); 5: the ready answer may carry what a resumed run saved
+VERSION = 6  # 4: ragged leaves (elems, lengths); 5: the ready answer may carry what a resumed run saved;
+# 6: a data message may name a shared memory segment that holds its pieces (same host), the ready answer the host
 PRELUDE_LEN = 10
 ALIGN = 64  # every index tensor starts at a multiple of this, so its views are aligned
 
@@ -178,10 +180,15 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class DataHeader:
-    """The validated header of a data message (no groups: a heartbeat)."""
+    """The validated header of a data message (no groups: a heartbeat).
+
+    ``shm``: ``(name, size)`` of the shared memory segment that holds its pieces (`tdgather.dist.shm`),
+    each tensor leaf at `segment_offsets`; None when the pieces follow as messages.
+    """
 
     files: tuple[str, ...]
     groups: tuple[GroupSpec, ...]
+    shm: tuple[str, int] | None = None
 
     @property
     def num_frames(self) -> int:
@@ -194,7 +201,7 @@ class DataHeader:
         return index_offsets([(g.rows, g.index_dtype.itemsize, g.runs, g.ragged) for g in self.groups])[-1]
 
     def pieces(self) -> list[tuple[int, int, int, int]]:
-        """The piece messages that follow, in order: ``(group, leaf, first row, rows)``."""
+        """The pieces, in order: ``(group, leaf, first row, rows)``; messages that follow, unless in a segment."""
         out = []
         for g, spec in enumerate(self.groups):
             for j, counts in enumerate(spec.pieces):
@@ -203,6 +210,21 @@ class DataHeader:
                     out.append((g, j, start, rows))
                     start += rows
         return out
+
+
+def segment_offsets(groups: list[tuple[Layout, tuple[int, ...]]]) -> tuple[list[int], int]:
+    """Where each tensor leaf's bytes start in a segment (groups in order, leaves in order), and its size.
+
+    ``groups`` holds per group its layout and each leaf's rows (``elems``); each leaf starts at a
+    multiple of `ALIGN`.
+    """
+    out, at = [], 0
+    for layout, elems in groups:
+        for leaf, n in zip(layout.leaves, elems, strict=True):
+            at = _aligned(at)
+            out.append(at)
+            at += n * leaf.row_nbytes
+    return out, at
 
 
 def index_offsets(sizes: list[tuple[int, int, int, int]]) -> list[int]:
@@ -284,14 +306,14 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
     limits = limits or Limits()
     c = ProtocolCheck(src)
     if kind == Kind.DONE:  # a ready answer may add "saved" and "run", a writer's done "part": their readers check them
-        keys = {"frames"} | ({"saved", "run", "part"} & set(obj) if isinstance(obj, dict) else set())
+        keys = {"frames"} | ({"saved", "run", "part", "host"} & set(obj) if isinstance(obj, dict) else set())
         c.int(c.obj(obj, "header", keys)["frames"], "header.frames")
         return obj
     if kind == Kind.ERROR:
         c.obj(obj, "header", {"type", "message"})
         c.str(obj["type"], "header.type"), c.str(obj["message"], "header.message")
         return obj
-    c.obj(obj, "header", {"files", "groups"})
+    c.obj(obj, "header", {"files", "groups"} | ({"shm"} & set(obj) if isinstance(obj, dict) else set()))
     files = tuple(c.str(s, "header.files[]") for s in c.list(obj["files"], "header.files"))
     if len(set(files)) != len(files):
         raise c.fail("header.files", "distinct filenames", [f for f in files if files.count(f) > 1][:3])
@@ -329,7 +351,14 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
             pieces.append(counts)
         dtype = torch.int32 if g["index"] == "int32" else torch.int64
         groups.append(GroupSpec(layout, rows, dtype, runs, tuple(values), tuple(pieces), elems))
-    header = DataHeader(files, tuple(groups))
+    shm = None
+    if "shm" in obj:
+        seg = c.obj(obj["shm"], "header.shm", {"name", "size"})
+        size = segment_offsets([(g.layout, g.elems) for g in groups])[1]
+        if c.int(seg["size"], "header.shm.size") != size or size > limits.max_payload_bytes:
+            raise c.fail("header.shm.size", f"{size} (the bytes the groups announce)", seg["size"])
+        shm = (c.str(seg["name"], "header.shm.name"), size)
+    header = DataHeader(files, tuple(groups), shm)
     if payload_len != header.index_nbytes:  # nothing unannounced is allocated (a heartbeat announces 0 bytes)
         raise c.fail("prelude.payload_len", f"{header.index_nbytes} (the frame index the groups announce)", payload_len)
     return header

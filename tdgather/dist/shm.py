@@ -1,0 +1,175 @@
+"""Same-host peers: a chunk's bytes handed over in a shared memory segment, only its header over gloo.
+
+On one host, gloo's TCP loopback is far below what memory moves. A sender that shares rank dst's
+host (rank dst names its host in the ready answer: `host_token`) writes a packed chunk's pieces
+into a new file in ``/dev/shm`` (`SegmentWriter`) and sends the data message with
+``"shm": {"name", "size"}`` instead of piece messages. Each tensor leaf's bytes start at a multiple
+of `ALIGN`, in the order the pieces would have come (`tdgather.dist.wire.segment_offsets`).
+
+Rank dst treats the segment as hostile input (`open_segment`): the name must be one tdgather makes
+(no path), the file a regular file of its own user in the segment directory, not a link, of exactly
+the announced size; it is mapped and unlinked at once, so the memory is freed when the last view of
+it goes, and no segment outlives rank dst's use of it. Its bytes are only frame values: every row
+count and length comes from the data message, checked as before.
+
+Lifetime: a segment is written whole before its header is sent, so a sender killed mid-write
+loses only that chunk; the file it leaves is removed by the next tdgather on that host whose
+process finds the writer's pid dead (`sweep`), and a sender removes at close whatever of its own
+rank dst did not take. Where the directory is missing, not writable or would keep less than
+``TDGATHER_SHM_SPARE`` bytes free (default 64 MiB), the chunk goes over gloo (one log line).
+``TDGATHER_SHM=0`` turns the path off (the benchmarks' ``--gloo-only``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import mmap
+import os
+import re
+import secrets
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.checks import ProtocolCheck
+
+__all__ = ["SEGMENT_NAME", "SegmentWriter", "host_token", "open_segment", "shm_dir", "sweep"]
+
+log = logging.getLogger("tdgather")
+
+SEGMENT_NAME = re.compile(r"tdgather-([0-9]{1,10})-([0-9a-f]{8})-([0-9]{1,12})")  # pid, token, number
+
+
+def shm_dir() -> Path | None:
+    """Where segments go (``TDGATHER_SHM_DIR``, default ``/dev/shm``); None when off or not a writable directory."""
+    if os.environ.get("TDGATHER_SHM", "1") == "0":
+        return None
+    path = Path(os.environ.get("TDGATHER_SHM_DIR", "/dev/shm"))
+    return path if path.is_dir() and os.access(path, os.W_OK | os.X_OK) else None
+
+
+def host_token() -> str | None:
+    """This host, as rank dst names it: hostname and boot id hashed; None when segments are off here."""
+    if shm_dir() is None:
+        return None
+    boot = ""
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return hashlib.sha256(f"{socket.gethostname()}\0{boot}\0{shm_dir()}".encode()).hexdigest()[:32]
+
+
+class SegmentWriter:
+    """One sender's segments: each packed chunk written into a new one (or None: send it over gloo)."""
+
+    def __init__(self) -> None:
+        self.dir = shm_dir()
+        self.token = secrets.token_hex(4)
+        self.number = 0
+        self.made: list[Path] = []
+        self.warned = False
+
+    def write(self, pieces: list[list[torch.Tensor]], offsets: list[int], size: int) -> str | None:
+        """Write the pieces (uint8 tensors each, in order) at ``offsets``; the segment's name, or None."""
+        if self.dir is None:
+            return None
+        path = self.dir / f"tdgather-{os.getpid()}-{self.token}-{self.number}"
+        self.number += 1
+        try:
+            st = os.statvfs(self.dir)
+            if st.f_bavail * st.f_frsize < size + int(os.environ.get("TDGATHER_SHM_SPARE", 64 << 20)):
+                raise OSError(f"{st.f_bavail * st.f_frsize} bytes free, {size} needed")
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            self._fall_back(e)
+            return None
+        self.made.append(path)
+        try:
+            os.ftruncate(fd, size)
+            if size:
+                with mmap.mmap(fd, size, access=mmap.ACCESS_WRITE) as mm:
+                    out = torch.frombuffer(mm, dtype=torch.uint8)
+                    for at, piece in zip(offsets, pieces, strict=True):
+                        for t in piece:
+                            out[at : at + t.numel()].copy_(t)
+                            at += t.numel()
+                    del out
+        except OSError as e:  # the directory filled up meanwhile (SIGBUS is not caught: space is checked first)
+            os.close(fd)
+            self.remove(path)
+            self._fall_back(e)
+            return None
+        os.close(fd)
+        return path.name
+
+    def _fall_back(self, e: BaseException) -> None:
+        if not self.warned:
+            log.info("tdgather: shared memory unavailable (%s); chunks to rank dst go over gloo", e)
+            self.warned = True
+
+    def remove(self, path: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+    def cleanup(self) -> None:
+        """Remove every segment this writer made that rank dst did not take (it unlinks those it maps)."""
+        for path in self.made:
+            self.remove(path)
+        self.made.clear()
+
+
+def open_segment(name: Any, size: int, src: int) -> torch.Tensor:
+    """Map segment ``name`` of peer ``src`` (uint8 ``[size]``), checked as hostile input, and unlink it."""
+    if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name):
+        raise ProtocolCheck(src).fail("header.shm.name", "a segment name tdgather makes ('tdgather-<pid>-<token>-<n>')", name)
+    where = shm_dir()
+    if where is None:
+        raise ProtocolCheck(src).fail("header.shm", "no segment: shared memory is off on rank dst", name)
+    path = where / name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ProtocolCheck(src).fail("header.shm.name", f"a segment in {where}", f"{name} ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not (st.st_mode & 0o170000 == 0o100000 and st.st_uid == os.getuid() and st.st_size == size):
+            expected = f"a regular file of user {os.getuid()} of {size} bytes"
+            raise ProtocolCheck(src).fail("header.shm", expected, f"mode {oct(st.st_mode)}, user {st.st_uid}, {st.st_size} bytes")
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):  # (a directory stays)
+            path.unlink()  # mapped: the memory lives as long as the views of it
+    return torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+
+
+def sweep() -> int:
+    """Remove segments (of this user) whose writer's process is gone; return how many."""
+    where = shm_dir()
+    if where is None:
+        return 0
+    gone = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(where):
+            m = SEGMENT_NAME.fullmatch(entry.name)
+            if m is None or int(m.group(1)) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(m.group(1))):
+                    continue
+                os.unlink(entry.path)
+                gone += 1
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's: alive
+    return True

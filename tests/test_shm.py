@@ -1,0 +1,116 @@
+"""The same-host path: segments written, checked as hostile input, mapped, swept; gloo where it cannot be used."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+import tdgather
+from tdgather import ProtocolError
+from tdgather.dist.shm import SegmentWriter, open_segment, sweep
+from tdgather.dist.wire import Kind, decode_header
+from tdgather.tools.launch import run_local_world
+
+from . import shm_cases as sc
+
+
+@pytest.fixture
+def shm(tmp_path, monkeypatch):
+    where = tmp_path / "shm"
+    where.mkdir()
+    monkeypatch.setenv("TDGATHER_SHM_DIR", str(where))
+    return where
+
+
+def test_a_segment_is_written_mapped_and_unlinked_at_once(shm):
+    w = SegmentWriter()
+    pieces = [
+        [torch.arange(10, dtype=torch.uint8)],
+        [torch.full((3,), 7, dtype=torch.uint8), torch.ones(2, dtype=torch.uint8)],
+    ]
+    name = w.write(pieces, [0, 64], 69)
+    assert name is not None and (shm / name).stat().st_size == 69
+    data = open_segment(name, 69, src=1)
+    assert not (shm / name).exists()  # mapped: gone from the directory, alive in the mapping
+    assert data[:10].tolist() == list(range(10)) and data[64:69].tolist() == [7, 7, 7, 1, 1]
+    w.cleanup()  # nothing left to remove, and no error
+
+
+@pytest.mark.parametrize(
+    "name, size, field",
+    [
+        ("../etc/passwd", 4, "header.shm.name"),
+        ("tdgather-1-zzzzzzzz-0", 4, "header.shm.name"),
+        (7, 4, "header.shm.name"),
+        ("tdgather-1-0123abcd-0", 4, "header.shm.name"),  # no such segment
+        ("tdgather-1-0123abcd-1", 5, "header.shm"),  # another size than announced
+        ("tdgather-1-0123abcd-2", 4, "header.shm"),  # a link
+        ("tdgather-1-0123abcd-3", 4, "header.shm"),  # a directory
+    ],
+)
+def test_a_peer_naming_a_segment_is_checked_before_anything_is_mapped(shm, tmp_path, name, size, field):
+    (shm / "tdgather-1-0123abcd-1").write_bytes(b"abcd")
+    (tmp_path / "outside").write_bytes(b"abcd")
+    (shm / "tdgather-1-0123abcd-2").symlink_to(tmp_path / "outside")
+    (shm / "tdgather-1-0123abcd-3").mkdir()
+    with pytest.raises(ProtocolError, match=rf"rank 3.*{field.replace('.', '[.]')}"):
+        open_segment(name, size, src=3)
+    assert (tmp_path / "outside").read_bytes() == b"abcd"
+
+
+def test_a_header_whose_segment_size_disagrees_with_its_groups_is_refused():
+    store = tdgather.FrameStore()
+    store.add(["a"], [0], torch.ones(1, 5))
+    from tdgather.dist.pack import pack
+
+    header = dict(pack(store).header)
+    index_len = pack(store).index.numel()
+    ok = decode_header({**header, "shm": {"name": "tdgather-1-0123abcd-0", "size": 20}}, Kind.DATA, 1, index_len)
+    assert ok.shm == ("tdgather-1-0123abcd-0", 20) and ok.pieces()  # the pieces are in the segment
+    with pytest.raises(ProtocolError, match=r"header.shm.size: expected 20"):
+        decode_header({**header, "shm": {"name": "tdgather-1-0123abcd-0", "size": 1 << 40}}, Kind.DATA, 1, index_len)
+    with pytest.raises(ProtocolError, match=r"header.shm"):
+        decode_header({**header, "shm": {"name": "x"}}, Kind.DATA, 1, index_len)
+
+
+def test_sweep_removes_the_segments_of_dead_processes_only(shm):
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True).stdout.strip()
+    (shm / f"tdgather-{dead}-0123abcd-0").write_bytes(b"x")
+    (shm / f"tdgather-{os.getppid()}-0123abcd-0").write_bytes(b"x")  # alive
+    (shm / "unrelated").write_bytes(b"x")
+    assert sweep() == 1
+    assert sorted(p.name for p in shm.iterdir()) == [f"tdgather-{os.getppid()}-0123abcd-0", "unrelated"]
+
+
+def test_without_room_the_writer_declines_and_logs_once(shm, monkeypatch, caplog):
+    monkeypatch.setenv("TDGATHER_SHM_SPARE", str(1 << 62))
+    w = SegmentWriter()
+    with caplog.at_level("INFO", logger="tdgather"):
+        assert w.write([[torch.ones(4, dtype=torch.uint8)]], [0], 4) is None
+        assert w.write([[torch.ones(4, dtype=torch.uint8)]], [0], 4) is None
+    assert caplog.text.count("shared memory unavailable") == 1 and not list(shm.iterdir())
+
+
+@pytest.mark.world
+def test_a_collector_on_one_host_hands_chunks_over_in_shared_memory(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True).stdout.strip()
+    (shm / f"tdgather-{dead}-0123abcd-0").write_bytes(b"x")  # a killed sender's leftover: swept at open
+    env = {"TDGATHER_SHM_DIR": str(shm)}
+    out = run_local_world(sc.case_collect, 3, str(tmp_path / "ds"), env, timeout=120)
+    assert out[0]["frames"] == 3 * 24 * 8 and out[0]["shared"] >= 2  # every frame checked bit for bit
+    assert all(r["left"] == [] for r in out)  # no segment outlives the run (the leftover swept)
+
+
+@pytest.mark.world
+@pytest.mark.parametrize("env", [{"TDGATHER_SHM": "0"}, {"TDGATHER_SHM_SPARE": str(1 << 62)}])
+def test_gloo_carries_the_chunks_where_shared_memory_is_off_or_full(tmp_path, env):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    out = run_local_world(sc.case_collect, 3, str(tmp_path / "ds"), {"TDGATHER_SHM_DIR": str(shm), **env}, timeout=120)
+    assert out[0]["frames"] == 3 * 24 * 8 and out[0]["shared"] == 0
+    assert all(r["left"] == [] for r in out)
