@@ -76,8 +76,10 @@ def main(argv: list[str] | None = None) -> None:
             base = run_local_world(case_memory, 2, d + "/base", 1000, budget, timeout=900)[0]
             run = run_local_world(case_memory, 2, d + "/run", n // 2, budget, timeout=900)[0]
         grown = run["hwm"] - base["hwm"]
-        print(f"memory {n} filenames, budget {args.budget_mib} MiB: rank dst peak +{grown / 1e6:.1f} MB over "
-              f"2,000 filenames, {grown / max(1, n - 2000):.0f} B/filename ({run['frames']} frames)")
+        print(
+            f"memory {n} filenames, budget {args.budget_mib} MiB: rank dst peak +{grown / 1e6:.1f} MB over "
+            f"2,000 filenames, {grown / max(1, n - 2000):.0f} B/filename ({run['frames']} frames)"
+        )
     for n in args.resume:
         with tempfile.TemporaryDirectory() as d:
             run_local_world(case_resume, 2, d + "/ds", n, "fail", timeout=900)

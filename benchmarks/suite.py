@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import shlex
 import shutil
 import statistics
@@ -35,8 +36,14 @@ QUICK = {"scale": 0.03, "repeats": 2, "worlds": [2, 4], "workloads": ["large", "
 FULL = {"scale": 1.0, "repeats": 3, "worlds": [2, 4], "workloads": list(WORKLOADS)}
 
 
-def bench_rank(method: str, workload: str, scale: float, repeats: int, scratch: str, budget: int) -> dict:
-    """Run on every rank: prepare, warm up, time ``repeats`` calls; rank 0 returns the figures."""
+def bench_rank(
+    method: str, workload: str, scale: float, repeats: int, scratch: str, budget: int, shm: bool = True
+) -> dict:
+    """Run on every rank: prepare, warm up, time ``repeats`` calls; rank 0 returns the figures.
+
+    ``shm``: a Collector's senders on rank 0's host use shared memory (else every byte goes over gloo).
+    """
+    os.environ["TDGATHER_SHM"] = "1" if shm else "0"
     rank = dist.get_rank()
     data = RankData.build(list(batches(workload, rank, dist.get_world_size(), scale=scale)), scratch)
     data.collector_budget = budget
@@ -82,9 +89,16 @@ def _remove_written(data: RankData) -> None:
 
 
 def run_suite(
-    worlds: list[int], workloads: list[str], methods: list[str], scale: float, repeats: int, budget: int, timeout: float
+    worlds: list[int],
+    workloads: list[str],
+    methods: list[str],
+    scale: float,
+    repeats: int,
+    budget: int,
+    timeout: float,
+    shm: bool = True,
 ) -> list[dict]:
-    """Run every combination; return one row per (world, workload, method)."""
+    """Run every combination; return one row per (world, workload, method); ``shm``: see `bench_rank`."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="tdgather-bench-") as scratch:
         for world in worlds:
@@ -93,7 +107,7 @@ def run_suite(
                     t0 = time.perf_counter()
                     row = {"world": world, "workload": workload, "method": method}
                     try:
-                        row |= _run_one(world, method, workload, scale, repeats, scratch, budget, timeout)
+                        row |= _run_one(world, method, workload, scale, repeats, scratch, budget, timeout, shm)
                     except WorldError as e:
                         row["error"] = str(e).splitlines()[0] + " " + _last_error_line(e)
                     rows.append(row)
@@ -106,13 +120,22 @@ def run_suite(
 
 
 def _run_one(
-    world: int, method: str, workload: str, scale: float, repeats: int, scratch: str, budget: int, timeout: float
+    world: int,
+    method: str,
+    workload: str,
+    scale: float,
+    repeats: int,
+    scratch: str,
+    budget: int,
+    timeout: float,
+    shm: bool = True,
 ) -> dict:
     """Rank 0's figures of one method on one workload, in a fresh local world; or why it is skipped."""
     skipped = skip_reason(method, workload)
     if skipped:
         return {"skipped": skipped}
-    return run_local_world(bench_rank, world, method, workload, scale, repeats, scratch, budget, timeout=timeout)[0]
+    args = (method, workload, scale, repeats, scratch, budget, shm)
+    return run_local_world(bench_rank, world, *args, timeout=timeout)[0]
 
 
 def _last_error_line(e: WorldError) -> str:
@@ -134,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for one method's world")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="where the report goes")
     parser.add_argument("--no-report", action="store_true", help="print only, write no report")
+    path = parser.add_mutually_exclusive_group()
+    path.add_argument(
+        "--same-host", action="store_true", help="senders on rank 0's host use shared memory (the default)"
+    )
+    path.add_argument("--gloo-only", action="store_true", help="every byte over gloo (TDGATHER_SHM=0), as before")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     worlds = args.worlds or preset["worlds"]
@@ -141,7 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or preset["repeats"]
     t0 = time.perf_counter()
     rows = run_suite(
-        worlds, args.workloads or preset["workloads"], args.methods, scale, repeats, args.budget_mib << 20, args.timeout
+        worlds,
+        args.workloads or preset["workloads"],
+        args.methods,
+        scale,
+        repeats,
+        args.budget_mib << 20,
+        args.timeout,
+        not args.gloo_only,
     )
     command = "python -m benchmarks.suite " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(f"suite: {time.perf_counter() - t0:.0f} s")

@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -138,12 +139,18 @@ def open_segment(name: Any, size: int, src: int) -> torch.Tensor:
         if not (st.st_mode & 0o170000 == 0o100000 and st.st_uid == os.getuid() and st.st_size == size):
             expected = f"a regular file of user {os.getuid()} of {size} bytes"
             raise ProtocolCheck(src).fail("header.shm", expected, f"mode {oct(st.st_mode)}, user {st.st_uid}, {st.st_size} bytes")
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
+        # read-only and shared: nothing is copied, and its pages are mapped at once (not one fault per page)
+        populate = getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ) if size else None
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):  # (a directory stays)
             path.unlink()  # mapped: the memory lives as long as the views of it
-    return torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+    if mm is None:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # a read-only buffer: its views are read, never written
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mm, dtype=torch.uint8)
 
 
 def sweep() -> int:
