@@ -87,10 +87,13 @@ class SegmentWriter:
         except OSError as e:
             self._fall_back(e)
             return None
+        if len(self.made) >= 64:  # those rank dst took are gone: keep only what may still need removing
+            self.made = [p for p in self.made if p.exists()]
         self.made.append(path)
         try:
             os.ftruncate(fd, size)
             if size:
+                os.posix_fallocate(fd, 0, size)  # its pages now: a full directory is ENOSPC here, never a SIGBUS
                 with mmap.mmap(fd, size, access=mmap.ACCESS_WRITE) as mm:
                     out = torch.frombuffer(mm, dtype=torch.uint8)
                     for at, piece in zip(offsets, pieces, strict=True):
@@ -98,7 +101,7 @@ class SegmentWriter:
                             out[at : at + t.numel()].copy_(t)
                             at += t.numel()
                     del out
-        except OSError as e:  # the directory filled up meanwhile (SIGBUS is not caught: space is checked first)
+        except OSError as e:  # the directory filled up meanwhile
             os.close(fd)
             self.remove(path)
             self._fall_back(e)
