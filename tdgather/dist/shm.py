@@ -10,7 +10,10 @@ Rank dst treats the segment as hostile input (`open_segment`): the name must be 
 (no path), the file a regular file of its own user in the segment directory, not a link, of exactly
 the announced size; it is mapped and unlinked at once, so the memory is freed when the last view of
 it goes, and no segment outlives rank dst's use of it. Its bytes are only frame values: every row
-count and length comes from the data message, checked as before.
+count and length comes from the data message, checked as before. The file's contents and length
+after that are protected by its mode (0600): processes of the job's own user are trusted, as they
+can already attach to the job's processes. Every rank must use the same directory: its path is part
+of the host token, so a rank with another one uses gloo.
 
 Lifetime: a segment is written whole before its header is sent, so a sender killed mid-write
 loses only that chunk; the file it leaves is removed by the next tdgather on that host whose
@@ -45,12 +48,23 @@ log = logging.getLogger("tdgather")
 SEGMENT_NAME = re.compile(r"tdgather-([0-9]{1,10})-([0-9a-f]{8})-([0-9]{1,12})")  # pid, token, number
 
 
+_said: set[str] = set()  # the fall-backs logged by this process (one line each)
+
+
 def shm_dir() -> Path | None:
-    """Where segments go (``TDGATHER_SHM_DIR``, default ``/dev/shm``); None when off or not a writable directory."""
+    """Where segments go (``TDGATHER_SHM_DIR``, default ``/dev/shm``); None when off or not a writable directory.
+
+    A directory that cannot be used (not ``TDGATHER_SHM=0``) is logged once per process.
+    """
     if os.environ.get("TDGATHER_SHM", "1") == "0":
         return None
     path = Path(os.environ.get("TDGATHER_SHM_DIR", "/dev/shm"))
-    return path if path.is_dir() and os.access(path, os.W_OK | os.X_OK) else None
+    if path.is_dir() and os.access(path, os.W_OK | os.X_OK):
+        return path
+    if str(path) not in _said:
+        _said.add(str(path))
+        log.info("tdgather: shared memory unavailable: %s is not a writable directory (TDGATHER_SHM_DIR); gloo carries every chunk", path)
+    return None
 
 
 def host_token() -> str | None:
@@ -81,8 +95,12 @@ class SegmentWriter:
         self.number += 1
         try:
             st = os.statvfs(self.dir)
-            if st.f_bavail * st.f_frsize < size + int(os.environ.get("TDGATHER_SHM_SPARE", 64 << 20)):
-                raise OSError(f"{st.f_bavail * st.f_frsize} bytes free, {size} needed")
+            spare = int(os.environ.get("TDGATHER_SHM_SPARE", 64 << 20))
+            if st.f_bavail * st.f_frsize < size + spare:
+                raise OSError(
+                    f"{self.dir} has {st.f_bavail * st.f_frsize} bytes free, a chunk of {size} would leave less than "
+                    f"TDGATHER_SHM_SPARE={spare}"
+                )
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as e:
             self._fall_back(e)
@@ -111,7 +129,7 @@ class SegmentWriter:
 
     def _fall_back(self, e: BaseException) -> None:
         if not self.warned:
-            log.info("tdgather: shared memory unavailable (%s); chunks to rank dst go over gloo", e)
+            log.info("tdgather: shared memory unavailable (%s); this rank's chunks go over gloo", e)
             self.warned = True
 
     def remove(self, path: Path) -> None:
