@@ -71,3 +71,26 @@ def case_sigterm_during_abort(out: str) -> dict:
     except (tdgather.PeerError, RuntimeError) as e:
         return {"error": type(e).__name__, "sigterm_sent": bool(sent)}
     return {"error": None}
+
+
+def case_sigterm_while_closing(out: str) -> dict:
+    """Rank 0 is in close(), waiting for slow senders, when SIGTERM comes: it must keep every frame received.
+
+    Its wait for the writer thread is interrupted by the SIGTERM; the abort that follows must wait for
+    that thread again (Python < 3.13's Thread.join, interrupted so, marks a running thread as ended).
+    """
+    import threading
+
+    rank = dist.get_rank()
+    error = None
+    try:
+        with tdgather.Collector(out, chunk_bytes=300_000, timeout=60, progress=False) as col:
+            for b in range(10):
+                col.add([f"v{rank}.mp4"] * 4, torch.arange(4) + 4 * b, torch.full((4, 3, 64, 64), float(rank)))
+                if rank:
+                    time.sleep(0.1)
+            if rank == 0:  # in close() by then: its join of the writer thread is what the signal interrupts
+                threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    except (tdgather.TdgatherError, tdgather.Terminated) as e:
+        error = type(e).__name__
+    return {"error": error}

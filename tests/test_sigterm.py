@@ -90,3 +90,13 @@ def test_outside_a_collector_sigterm_keeps_its_default_action(tmp_path):
     with tdgather.Collector(tmp_path / "ds"):
         pass  # a local Collector: no frames, but its handler is installed...
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # ...and removed
+
+
+def test_a_sigterm_while_rank_0_closes_keeps_every_frame_it_received(tmp_path):
+    out = tmp_path / "ds"
+    results = sc.run_local_world(sc.case_sigterm_while_closing, 3, str(out), timeout=120)
+    assert results[0]["error"] == "Terminated", results
+    ds = tdgather.open(out, incomplete=True)
+    received = {int(k): v for k, v in ds.metadata["frames_per_rank"].items()}
+    assert received[0] == 40 and ds.metadata["total_frames"] == sum(received.values())  # all listed, none lost
+    assert sum(len(ds[name]) for name in ds) == ds.metadata["total_frames"]

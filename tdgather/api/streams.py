@@ -43,6 +43,7 @@ from ..storage.objects import BLOCK_BYTES, PARTS_IN_FLIGHT
 from ..storage.recovery import Saved
 from ..storage.sink import SinkFactory
 from ..storage.writer import DatasetWriter
+from .jobs import Job
 
 __all__ = [
     "BlockWriter",
@@ -284,8 +285,8 @@ class Sender(_Side):
         self.segments = SegmentWriter() if here is not None and ready.header.get("host") == here else None
         self.answer = None
         self.joiner = Joiner(reuse=True)
-        self.thread = threading.Thread(target=self._send_loop, name="tdgather-send", daemon=True)
-        self.watcher = threading.Thread(target=self._watch, name="tdgather-answer", daemon=True)
+        self.thread = Job(self._send_loop, "tdgather-send")
+        self.watcher = Job(self._watch, "tdgather-answer")
         self.thread.start()
         self.watcher.start()
 
@@ -477,10 +478,10 @@ class Destination(_Side):
         enabled = col.progress if col.progress is not None else sys.stderr.isatty()
         self.bar = tqdm(desc="tdgather", unit=" frames", disable=not enabled, dynamic_ncols=True, file=sys.stderr)
         self.receivers = [
-            threading.Thread(target=self._receive_loop, args=(p,), name=f"tdgather-recv-{p}", daemon=True)
+            Job(self._receive_loop, f"tdgather-recv-{p}", (p,))
             for p in peers
         ]
-        self.writer_thread = threading.Thread(target=self._write_loop, name="tdgather-write", daemon=True)
+        self.writer_thread = Job(self._write_loop, "tdgather-write")
         for t in [*self.receivers, self.writer_thread]:
             t.start()
 
