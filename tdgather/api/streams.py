@@ -477,10 +477,7 @@ class Destination(_Side):
         self.answers.start()
         enabled = col.progress if col.progress is not None else sys.stderr.isatty()
         self.bar = tqdm(desc="tdgather", unit=" frames", disable=not enabled, dynamic_ncols=True, file=sys.stderr)
-        self.receivers = [
-            Job(self._receive_loop, f"tdgather-recv-{p}", (p,))
-            for p in peers
-        ]
+        self.receivers = [Job(self._receive_loop, f"tdgather-recv-{p}", (p,)) for p in peers]
         self.writer_thread = Job(self._write_loop, "tdgather-write")
         for t in [*self.receivers, self.writer_thread]:
             t.start()

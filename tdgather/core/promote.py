@@ -107,9 +107,7 @@ def promote_columns(old: Layout, new: Layout, columns: Sequence[Any]) -> list[An
     out = list(columns)
     for j, (x, y) in enumerate(zip(old.leaves, new.leaves, strict=True)):
         if y.ragged and not x.ragged:
-            t = out[j]
-            n = x.shape[0]
-            out[j] = Ragged.from_lengths(t.reshape(t.shape[0] * n, *x.shape[1:]), _rows(t.shape[0], n))
+            out[j] = Ragged.from_lengths(_values(out[j], x), _rows(out[j].shape[0], x.shape[0]))
     return out
 
 
@@ -125,10 +123,9 @@ def promote_part(part: Part, layout: Layout) -> Part:
     chunks = [list(c) for c in part.chunks]
     for j, (x, y) in enumerate(zip(part.layout.leaves, layout.leaves, strict=True)):
         if y.ragged and not x.ragged:
-            n = x.shape[0]
-            lengths[j] = _rows(part.num_frames, n)
+            lengths[j] = _rows(part.num_frames, x.shape[0])
             for c in chunks:
-                c[j] = c[j].reshape(c[j].shape[0] * n, *x.shape[1:])
+                c[j] = _values(c[j], x)
     return Part(part.rank, layout, part.files, part.file_ids, part.frame_idx, part.json, chunks, lengths)
 
 
@@ -166,6 +163,11 @@ def ragged_hint(a: Layout, b: Layout) -> str:
         f"; only the first dim of {sorted(names)} changes: that is allowed (those leaves become ragged) unless "
         "the frames are declared fixed with ragged=False, as these were"
     )
+
+
+def _values(t: torch.Tensor, leaf: Leaf) -> torch.Tensor:
+    """A fixed leaf's column ``[B, n, *row]`` as ragged values ``[B * n, *row]`` (a view where contiguous)."""
+    return t.reshape(t.shape[0] * leaf.shape[0], *leaf.shape[1:])
 
 
 def _rows(frames: int, n: int) -> torch.Tensor:

@@ -127,8 +127,10 @@ def segment_columns(ch: Channel, header: DataHeader) -> list[list[torch.Tensor]]
         columns = []
         for leaf, n in zip(g.layout.leaves, g.elems, strict=True):
             nbytes = n * leaf.row_nbytes
-            raw = data[starts[k] : starts[k] + nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
-            columns.append(raw.view(leaf.dtype).view(n, *leaf.shape) if nbytes else torch.empty((n, *leaf.shape), dtype=leaf.dtype))
+            if nbytes:
+                columns.append(data[starts[k] : starts[k] + nbytes].view(leaf.dtype).view(n, *leaf.shape))
+            else:  # no bytes (n rows of zero size): nothing to view
+                columns.append(torch.empty((n, *leaf.shape), dtype=leaf.dtype))
             k += 1
         out.append(columns)
     return out
