@@ -55,4 +55,5 @@ class Part:
     @cached_property
     def names(self) -> list[str]:
         """The filenames its rows use (found once: placement and merge both ask)."""
-        return [self.files[i] for i in torch.unique(self.file_ids).tolist()]
+        used = torch.bincount(self.file_ids, minlength=len(self.files)).nonzero().flatten()  # no sort, ids in order
+        return [self.files[i] for i in used.tolist()]

@@ -213,10 +213,11 @@ def place(
         parts = unify(parts)
     by_layout: dict[Layout, list[Part]] = {}
     owner: dict[str, tuple[Layout, int]] = {}
+    one_layout = len({p.layout for p in parts if p.num_frames}) == 1  # no filename can have two
     for part in parts:
         if not part.num_frames:
             continue
-        for name in part.names:
+        for name in () if one_layout else part.names:
             layout, rank = owner.setdefault(name, (part.layout, part.rank))
             if layout != part.layout and name not in (mismatches or ()):
                 sent = (
@@ -251,11 +252,14 @@ def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
     idx = torch.cat([p.frame_idx for p in parts])
     sizes = [p.num_frames for p in parts]
     total = idx.numel()
-    # 1. sort by (file, frame_idx), stably: one sort of a joint key where it fits in int64
+    # 1. sort by (file, frame_idx), stably: one sort of a joint key where it fits in int64; where
+    # the keys are dense and distinct (no copies), their ranks are counted instead (no sort)
     low = int(idx.min()) if total else 0
     span = int(idx.max()) - low + 1 if total else 1
     if len(names) * span < 1 << 62:
-        key, order = torch.sort(fids * span + (idx - low), stable=True)
+        joint = fids * span + (idx - low)
+        order = _counted_order(joint, len(names) * span)
+        key, order = (joint[order], order) if order is not None else torch.sort(joint, stable=True)
         sf, si = None, None
     else:
         order = torch.argsort(idx, stable=True)
@@ -311,6 +315,22 @@ def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
         leaf_dest,
         first_rank,
     )
+
+
+def _counted_order(key: torch.Tensor, span: int) -> torch.Tensor | None:
+    """The order that sorts ``key`` (values in ``[0, span)``), by counting; None unless it is dense and distinct.
+
+    >>> _counted_order(torch.tensor([3, 0, 2]), 4).tolist()
+    [1, 2, 0]
+    """
+    if not key.numel() or span > 4 * key.numel() + 1024:  # sparse: a sort is cheaper than counting the gaps
+        return None
+    counts = torch.bincount(key, minlength=span)
+    if int(counts.max()) > 1:  # copies of a frame: the sort keeps them in rank order
+        return None
+    order = torch.empty_like(key)
+    order[counts.cumsum(0)[key] - 1] = torch.arange(key.numel())
+    return order
 
 
 def _ragged_places(
