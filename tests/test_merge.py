@@ -210,3 +210,29 @@ def test_rows_select_and_slice_by_reference():
     assert [len(v) for v in views] == [32, 16, 16]
     assert b"".join(views) == want[1:5].numpy().tobytes()
     assert rows[2:2].byte_views() == [] and rows[3:5].follows(rows[1:3]) and not rows[3:5].follows(rows[1:2])
+
+
+@pytest.mark.parametrize("stride", [1, 2, 10**9], ids=["dense", "gaps", "sparse"])
+@pytest.mark.parametrize("copies", [False, True])
+def test_rows_are_ordered_per_file_and_frame_however_they_are_spread(stride, copies):
+    # dense and distinct keys are placed by counting, others by sorting: both must give this order
+    g = torch.Generator().manual_seed(stride + copies)
+    per_rank: list[dict] = [{}, {}, {}]
+    expected: dict[str, list[int]] = {}
+    for f in range(40):
+        name = f"v{f:02d}.mp4"
+        idxs = (torch.randperm(30, generator=g)[: 5 + f % 20] * stride).tolist()
+        expected[name] = sorted(idxs)
+        owners = torch.randint(0, 3, (len(idxs),), generator=g).tolist()
+        for i, r in zip(idxs, owners, strict=True):
+            per_rank[r].setdefault(name, []).append((i, value(name, i, (3,))))
+            if copies and i % 7 == 0:  # the same frame on a second rank
+                per_rank[(r + 1) % 3].setdefault(name, []).append((i, value(name, i, (3,))))
+    parts, _ = parts_of(*per_rank)
+    merged = merge(parts)
+    assert merged.duplicates.dropped == (sum(i % 7 == 0 for v in expected.values() for i in v) if copies else 0)
+    out = tdgather.Gathered(merged.groups)
+    assert sorted(out) == sorted(expected)
+    for name, idxs in expected.items():
+        assert out[name].frame_idx.tolist() == idxs, name
+        assert torch.equal(out[name].frames, torch.stack([value(name, i, (3,)) for i in idxs])), name

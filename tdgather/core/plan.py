@@ -248,58 +248,48 @@ def keep_first_layouts(groups: list[Group], mismatches: Mismatches) -> list[Grou
 def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
     names = sorted({n for p in parts for n in p.names})
     fid = {n: i for i, n in enumerate(names)}
-    fids = torch.cat([torch.tensor([fid.get(n, -1) for n in p.files], dtype=torch.int64)[p.file_ids] for p in parts])
+    fids = torch.cat(
+        [torch.tensor([fid.get(n, -1) for n in p.files], dtype=torch.int64).index_select(0, p.file_ids) for p in parts]
+    )
     idx = torch.cat([p.frame_idx for p in parts])
     sizes = [p.num_frames for p in parts]
     total = idx.numel()
+    row_rank = torch.repeat_interleave(
+        torch.tensor([p.rank for p in parts], dtype=torch.int32), torch.tensor(sizes, dtype=torch.int64)
+    )
+    none = torch.empty(0, dtype=torch.int64)
     # 1. sort by (file, frame_idx), stably: one sort of a joint key where it fits in int64; where
     # the keys are dense and distinct (no copies), their ranks are counted instead (no sort)
     low = int(idx.min()) if total else 0
     span = int(idx.max()) - low + 1 if total else 1
-    if len(names) * span < 1 << 62:
-        joint = fids * span + (idx - low)
-        order = _counted_order(joint, len(names) * span)
-        key, order = (joint[order], order) if order is not None else torch.sort(joint, stable=True)
-        sf, si = None, None
+    joint = fids * span + (idx - low) if len(names) * span < 1 << 62 else None
+    counted = _counted_places(joint, len(names) * span) if joint is not None else None
+    if counted is not None:  # 2. no copies: sorted row k is result row k
+        order, dest_all = counted
+        first_file, first_idx, first_rank = (t.index_select(0, order) for t in (fids, idx, row_rank))
+        kept = later_pos = later_rank = kept_rank = none
+        keep_pos = order
     else:
-        order = torch.argsort(idx, stable=True)
-        order = order[torch.argsort(fids[order], stable=True)]
-        sf, si = fids[order], idx[order]
-        key = None
-    # 2. the first copy of each frame takes the next result row; later copies go past the end
-    first = torch.ones(total, dtype=torch.bool)
-    if key is not None:
-        torch.ne(key[1:], key[:-1], out=first[1:])
-        first_key = key[first]
-        first_file, first_idx = first_key // span, first_key % span + low
-    else:
-        first[1:] = (sf[1:] != sf[:-1]) | (si[1:] != si[:-1])
-        first_file, first_idx = sf[first], si[first]
-    n = first_file.numel()
-    dest_all = torch.empty_like(order)
-    if n == total:  # no copies: sorted row k is result row k
-        dest_all[order] = torch.arange(total)
-        kept = later_pos = torch.empty(0, dtype=torch.int64)
-    else:
+        order, first = _sorted_rows(fids, idx, joint)
+        first_file, first_idx = fids[order][first], idx[order][first]
+        # 2. the first copy of each frame takes the next result row; later copies go past the end
+        n, dest_all = first_file.numel(), torch.empty_like(order)
         firsts = first.cumsum(0)
         later = ~first
         # sorted row k is the (k - firsts[k])-th later copy when it is not a first
-        pos = torch.where(first, firsts - 1, n + torch.arange(total) - firsts)
-        dest_all[order] = pos
-        later_pos, kept = order[later], firsts[later] - 1
-    bounds = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
-    ranks = torch.tensor([p.rank for p in parts], dtype=torch.int64)
-    first_rank = ranks[torch.searchsorted(bounds, order[first], right=True)].to(torch.int32)
-    later_rank = ranks[torch.searchsorted(bounds, later_pos, right=True)]
-    kept_rank = ranks[torch.searchsorted(bounds, order[first][kept], right=True)] if kept.numel() else kept
+        dest_all[order] = torch.where(first, firsts - 1, n + torch.arange(total) - firsts)
+        later_pos, kept, keep_pos = order[later], firsts[later] - 1, order[first]
+        first_rank = row_rank[keep_pos]
+        later_rank = row_rank[later_pos].to(torch.int64)
+        kept_rank = row_rank[keep_pos[kept]].to(torch.int64)
     json_all = [[v for p in parts for v in p.json[j]] for j in range(len(layout.nontensor))]
     json, later_json = [], []
     if json_all:
-        keep_pos, later_list = order[first].tolist(), later_pos.tolist()
-        json = [[values[k] for k in keep_pos] for values in json_all]
+        keep_list, later_list = keep_pos.tolist(), later_pos.tolist()
+        json = [[values[k] for k in keep_list] for values in json_all]
         later_json = [[values[k] for k in later_list] for values in json_all]
     dest = list(torch.split(dest_all, sizes))
-    offsets, leaf_dest = _ragged_places(layout, parts, dest, dest_all, n + kept.numel())
+    offsets, leaf_dest = _ragged_places(layout, parts, dest, dest_all, first_idx.numel() + kept.numel())
     return Placement(
         layout,
         names,
@@ -317,20 +307,43 @@ def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
     )
 
 
-def _counted_order(key: torch.Tensor, span: int) -> torch.Tensor | None:
-    """The order that sorts ``key`` (values in ``[0, span)``), by counting; None unless it is dense and distinct.
+def _sorted_rows(
+    fids: torch.Tensor, idx: torch.Tensor, joint: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stable order of rows by (file id, frame_idx), and which sorted rows are a frame's first copy.
 
-    >>> _counted_order(torch.tensor([3, 0, 2]), 4).tolist()
-    [1, 2, 0]
+    ``joint``: the two as one int64 key, where that fits (one sort instead of two).
     """
-    if not key.numel() or span > 4 * key.numel() + 1024:  # sparse: a sort is cheaper than counting the gaps
+    if joint is not None:
+        key, order = torch.sort(joint, stable=True)
+    else:
+        order = torch.argsort(idx, stable=True)
+        order = order[torch.argsort(fids[order], stable=True)]
+        key = None
+    first = torch.ones(order.numel(), dtype=torch.bool)
+    if key is not None:
+        torch.ne(key[1:], key[:-1], out=first[1:])
+    else:
+        sf, si = fids[order], idx[order]
+        first[1:] = (sf[1:] != sf[:-1]) | (si[1:] != si[:-1])
+    return order, first
+
+
+def _counted_places(key: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The order that sorts ``key`` (values in ``[0, span)``) and each key's place in it, by counting.
+
+    None unless the keys are dense (a count per value is cheaper than a sort) and distinct.
+
+    >>> [t.tolist() for t in _counted_places(torch.tensor([3, 0, 2]), 4)]
+    [[1, 2, 0], [2, 0, 1]]
+    """
+    if not key.numel() or span > 4 * key.numel() + 1024:
         return None
     counts = torch.bincount(key, minlength=span)
-    if int(counts.max()) > 1:  # copies of a frame: the sort keeps them in rank order
+    if int(counts.max()) > 1:  # copies of a frame: the stable sort keeps them in rank order
         return None
-    order = torch.empty_like(key)
-    order[counts.cumsum(0)[key] - 1] = torch.arange(key.numel())
-    return order
+    places = key if key.numel() == span else counts.cumsum(0).index_select(0, key) - 1  # no gaps: the key
+    return torch.empty_like(key).index_copy_(0, places, torch.arange(key.numel())), places
 
 
 def _ragged_places(
