@@ -542,7 +542,7 @@ def wire_roundtrip(store: tdgather.FrameStore, rank: int = 0):
     """
     from tdgather.core.plan import Part
     from tdgather.dist.pack import pack
-    from tdgather.dist.protocol import as_bytes
+    from tdgather.dist.protocol import Joiner, as_bytes
     from tdgather.dist.wire import Kind, Limits, decode_header, decode_index, decode_json, encode_json
 
     packed = pack(store)
@@ -554,7 +554,7 @@ def wire_roundtrip(store: tdgather.FrameStore, rank: int = 0):
         for g in header.groups
     ]
     for (g, j, first, rows), piece in zip(header.pieces(), packed.pieces, strict=True):
-        as_bytes(columns[g][j][first : first + rows]).copy_(torch.cat(piece))
+        as_bytes(columns[g][j][first : first + rows]).copy_(Joiner(reuse=False).join(None, piece))
     parts = [
         Part(rank, g.layout, list(header.files), ids, idx, list(g.json), [columns[k]], lengths)
         for k, (g, (ids, idx, lengths)) in enumerate(zip(header.groups, index, strict=True))

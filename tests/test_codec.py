@@ -60,7 +60,7 @@ def test_the_wire_carries_the_frame_bytes_and_a_small_index():
     store = tdgather.FrameStore()
     store.update({f"f{i}": [(j, torch.zeros(16)) for j in range(100)] for i in range(4)})
     packed = pack(store)
-    assert sum(t.numel() for piece in packed.pieces for t in piece) == 4 * 100 * 16 * 4  # no padding
+    assert sum(t.nbytes for piece in packed.pieces for t in piece) == 4 * 100 * 16 * 4  # no padding
     runs = 16 * len(store.names)  # (file id, rows) per run: the frames of a file are added together here
     assert packed.index.numel() <= 4 * 100 * 4 + runs + 2 * 64  # int32 frame_idx: every index fits
 

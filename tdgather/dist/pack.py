@@ -36,30 +36,28 @@ class Packed:
 
     header: dict
     index: torch.Tensor | None  # uint8: the payload of the data message
-    pieces: list[list[torch.Tensor]]  # each piece: uint8 tensors sent as one message (joined when several)
+    pieces: list[list[torch.Tensor]]  # each piece: batches' rows sent as one message (joined when several)
     frames: int
 
 
 def pack(store: FrameStore) -> Packed:
     """Describe ``store`` as a data message and its pieces (batches are referenced, not copied)."""
     groups, index, pieces, specs = [], [], [], []
-    for layout, chunks in store.groups():
-        ids = torch.cat([c.file_ids for c in chunks])
-        idx = torch.cat([c.frame_idx for c in chunks])
+    for part in store.parts(0):  # the frame index joined once; the batches as they are held
+        layout, ids, idx = part.layout, part.file_ids, part.frame_idx
         run_ids, run_rows = torch.unique_consecutive(ids, return_counts=True)
         fits = bool(idx.min() >= -(2**31)) and bool(idx.max() < 2**31)
         index_dtype = torch.int32 if fits else torch.int64
         cuts, elems, lengths = [], [], []
         for j, leaf in enumerate(layout.leaves):
-            columns = [c.tensors[j] for c in chunks]
+            columns = [c[j] for c in part.chunks]  # a ragged leaf's: its values
             if leaf.ragged:
-                lengths.append(torch.cat([r.lengths for r in columns]))
-                columns = [r.values for r in columns]
+                lengths.append(part.lengths[j])
             counts, leaf_pieces = _cut(columns, leaf.row_nbytes)
             cuts.append(counts)
             elems.append(sum(t.shape[0] for t in columns))
             pieces += leaf_pieces
-        json = [[v for c in chunks for v in c.json[j]] for j in range(len(layout.nontensor))]
+        json = part.json
         groups.append(
             {
                 "layout": layout.to_json(),
@@ -89,10 +87,6 @@ def pack(store: FrameStore) -> Packed:
     return Packed(header, payload, pieces, len(store))
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
 def _cut(tensors: list[torch.Tensor], row_bytes: int) -> tuple[list[int], list[list[torch.Tensor]]]:
     """Cut one leaf's batches into pieces: row counts, and the tensors of each piece."""
     counts: list[int] = []
@@ -106,7 +100,7 @@ def _cut(tensors: list[torch.Tensor], row_bytes: int) -> tuple[list[int], list[l
         nonlocal bundle, rows
         if bundle:
             counts.append(rows)
-            pieces.append([_bytes(t) for t in bundle])
+            pieces.append(bundle)
             bundle, rows = [], 0
 
     max_rows = max(1, PIECE_MAX // row_bytes)
@@ -116,7 +110,7 @@ def _cut(tensors: list[torch.Tensor], row_bytes: int) -> tuple[list[int], list[l
             flush()
             for start in range(0, n, max_rows):
                 counts.append(min(max_rows, n - start))
-                pieces.append([_bytes(t[start : start + max_rows])])
+                pieces.append([t[start : start + max_rows]])
         elif n:
             bundle.append(t)
             rows += n

@@ -48,17 +48,18 @@ class Joiner:
         self._turn = 0
 
     def join(self, ch: Channel, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The tensors (uint8) joined into one."""
+        """The batches (one leaf's rows) joined into one, as bytes."""
         if not self.reuse:
-            return torch.cat(tensors)
+            return as_bytes(torch.cat(tensors))
         self._turn ^= 1
         ch.wait(self._works[self._turn], "a piece")
         self._works[self._turn] = []
-        n = sum(t.numel() for t in tensors)
+        n = sum(t.numel() * t.element_size() for t in tensors)
         buf = self._buffers[self._turn]
         if buf is None or buf.numel() < n:
             buf = self._buffers[self._turn] = torch.empty(max(n, PIECE_TARGET + PIECE_MIN), dtype=torch.uint8)
-        torch.cat(tensors, out=buf[:n])
+        first = tensors[0]
+        torch.cat(tensors, out=buf[:n].view(first.dtype).view(-1, *first.shape[1:]))
         return buf[:n]
 
     def sent(self, works: list) -> list:
@@ -83,13 +84,13 @@ def send_frames(ch: Channel, packed: Packed, joiner: Joiner, segments: SegmentWr
     """
     if segments is not None and packed.pieces:
         offsets, size = _piece_offsets(packed.header)
-        name = segments.write(packed.pieces, offsets, size)
+        name = segments.write([[as_bytes(t.contiguous()) for t in p] for p in packed.pieces], offsets, size)
         if name is not None:
             return ch.send(Kind.DATA, {**packed.header, "shm": {"name": name, "size": size}}, packed.index)
     works = ch.send(Kind.DATA, packed.header, packed.index)
     for piece in packed.pieces:
         if len(piece) == 1:
-            works += ch.send(Kind.PIECE, None, piece[0])
+            works += ch.send(Kind.PIECE, None, as_bytes(piece[0].contiguous()))
         else:
             works += joiner.sent(ch.send(Kind.PIECE, None, joiner.join(ch, piece)))
     return works
