@@ -128,7 +128,7 @@ def tdgather_wire_bytes(data: list) -> int:
     if not data:
         return done
     packed = pack(_store(data))
-    pieces = sum(t.numel() for piece in packed.pieces for t in piece)
+    pieces = sum(t.nbytes for piece in packed.pieces for t in piece)
     return (
         done
         + 8 * PRELUDE_LEN * (1 + len(packed.pieces))

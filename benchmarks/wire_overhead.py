@@ -33,7 +33,7 @@ def measure(name: str, world: int) -> dict:
         packed = pack(store)
         preludes += 8 * PRELUDE_LEN * (1 + len(packed.pieces))
         header_bytes += len(encode_json(packed.header))
-        payload_bytes += packed.index.numel() + sum(t.numel() for piece in packed.pieces for t in piece)
+        payload_bytes += packed.index.numel() + sum(t.nbytes for piece in packed.pieces for t in piece)
         index_bytes += sum(
             g["rows"] * (4 if g["index"] == "int32" else 8) + 16 * g["runs"] + 8 * g["rows"] * _ragged_leaves(g)
             for g in packed.header["groups"]

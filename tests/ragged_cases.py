@@ -158,11 +158,14 @@ def case_save_and_stream(out: str, files: int, per_file: int, max_boxes: int, bu
 
 
 def _cut_batches(rank: int) -> dict[str, Ragged]:
-    """Rank ``rank``'s 4 batches of 64 frames of 0-599 boxes (the first 3 of each none), by filename."""
+    """Rank ``rank``'s 4 batches of 64 frames of 1200-2999 boxes (the first 3 of each none), by filename.
+
+    Each batch is over `PIECE_MIN` bytes: one piece of its own.
+    """
     g = torch.Generator().manual_seed(rank)
     out = {}
     for b in range(4):
-        lengths = torch.randint(0, 600, (64,), generator=g)
+        lengths = torch.randint(1200, 3000, (64,), generator=g)
         lengths[:3] = 0
         out[f"r{rank}_b{b}.mp4"] = Ragged.from_lengths(torch.rand(int(lengths.sum()), 4, generator=g), lengths)
     return out

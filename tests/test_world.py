@@ -97,11 +97,12 @@ def test_one_writer_per_node_with_node_groups(tmp_path):
     cases.assert_matches(dict(sorted(got.items())), expected)
 
 
-@pytest.mark.parametrize("world,early_bytes", [(2, 32 << 20), (3, 1 << 20)])
+@pytest.mark.parametrize("world,early_bytes", [(2, 32 << 20), (3, 6 << 20)])
 def test_pieces_that_come_while_rank0_places_land_after_it(world, early_bytes):
-    # 40k frames of 256 bytes: ~10 MB over the senders, pieces of up to ~4 MiB
-    out = run_local_world(cases.case_slow_placement, world, 40_000, early_bytes, timeout=120)[0]
-    assert out["frames"] == 40_000 and out["dups"] == 1
+    # 80k frames of 256 bytes: ~20 MB over the senders, pieces of about 4 MiB (with 3 ranks, each
+    # sender's first piece fits in 6 MiB, its second does not)
+    out = run_local_world(cases.case_slow_placement, world, 80_000, early_bytes, timeout=120)[0]
+    assert out["frames"] == 80_000 and out["dups"] == 1
     if early_bytes > 10 << 20:
         assert out["early"] == out["pieces"] >= 2  # every piece came while rank 0 was placing
     else:
