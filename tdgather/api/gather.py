@@ -35,7 +35,7 @@ from ..core.duplicates import DuplicateCounts, DuplicatePolicy
 from ..core.frames import Frames
 from ..core.gcpause import collection_paused
 from ..core.merge import merge
-from ..core.plan import Group, Mismatches, Part, Placement, keep_first_layouts, place, scatter_chunks
+from ..core.plan import Group, Mismatches, Part, Placement, joined_chunks, keep_first_layouts, place, scatter_chunks
 from ..core.promote import unify
 from ..core.ragged import values_of
 from ..core.rows import run_start, scatter_rows
@@ -274,7 +274,9 @@ class _Receive:
         with ThreadPoolExecutor(max_workers=len(self.channels), thread_name_prefix="tdgather-recv") as pool:
             futures = {peer: pool.submit(self._read_peer, peer) for peer in self.channels}
             try:
-                self.parts[self.rank] = as_store(self.predictions, self.ragged).parts(self.rank)
+                self.parts[self.rank] = own = as_store(self.predictions, self.ragged).parts(self.rank)
+                for part in own:  # while the peers' frame indexes come: many small batches joined now
+                    part.chunks = joined_chunks(part.chunks, len(part.layout.leaves))
             except Exception as e:
                 self.errors[-1] = e
             deadline = time.monotonic() + self.grace

@@ -33,7 +33,16 @@ from .promote import SAME_LAYOUT, ragged_hint, unify
 from .ragged import Ragged, element_index, offsets_of, values_of
 from .rows import run_start, scatter_rows
 
-__all__ = ["Group", "Mismatches", "Part", "Placement", "keep_first_layouts", "place", "scatter_chunks"]
+__all__ = [
+    "Group",
+    "Mismatches",
+    "Part",
+    "Placement",
+    "joined_chunks",
+    "keep_first_layouts",
+    "place",
+    "scatter_chunks",
+]
 
 _NO_ROWS = torch.empty(0, dtype=torch.int64)
 
@@ -418,6 +427,17 @@ def _joined(chunks: list[list[torch.Tensor]], leaves: int) -> list[list[torch.Te
     return out
 
 
+def joined_chunks(chunks: list[list[torch.Tensor]], leaves: int) -> list[list[torch.Tensor]]:
+    """Many small batches joined into chunks of about `_JOINED` bytes (few scatters per leaf); others as they are.
+
+    Joined chunks are large, so joining them again gives them back as they are.
+    """
+    nbytes = sum(t.numel() * t.element_size() for c in chunks for t in c)
+    if len(chunks) > 8 and nbytes < len(chunks) * _SMALL_CHUNK:
+        return _joined(chunks, leaves)
+    return chunks
+
+
 def scatter_chunks(buffers: list[Any], dests: list[torch.Tensor], chunks: list[list[torch.Tensor]]) -> None:
     """Copy a part's chunks (consecutive batches of rows) to rows ``dests[j]`` of each leaf's buffer.
 
@@ -425,9 +445,7 @@ def scatter_chunks(buffers: list[Any], dests: list[torch.Tensor], chunks: list[l
     """
     if not chunks or not buffers:
         return
-    nbytes = sum(t.numel() * t.element_size() for c in chunks for t in c)
-    if len(chunks) > 8 and nbytes < len(chunks) * _SMALL_CHUNK:  # many small batches: few scatters per leaf
-        chunks = _joined(chunks, len(buffers))
+    chunks = joined_chunks(chunks, len(buffers))
     runs: dict[int, list] = {}  # leaves that are not ragged share one dest: its runs are found once
     for j, (buf, dest) in enumerate(zip(buffers, dests, strict=True)):
         data = values_of(buf)

@@ -265,33 +265,33 @@ def decode_json(raw: bytes, src: int, limits: Limits) -> Any:
         return obj
 
     try:
-        text = raw.decode("utf-8")
-        if _depth(text) > limits.max_depth:
+        # the parser's own recursion is bounded (RecursionError); the depth is checked on what it built
+        obj = json.loads(raw.decode("utf-8"), parse_constant=no_constants, object_pairs_hook=no_duplicates)
+        if _depth(obj, limits.max_depth) > limits.max_depth:
             raise ValueError(f"nesting deeper than {limits.max_depth}")
-        return json.loads(text, parse_constant=no_constants, object_pairs_hook=no_duplicates)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        return obj
+    except RecursionError as e:  # deeper than the parser goes, and so than the limit
+        raise ProtocolError(
+            src, "header", f"expected strict UTF-8 JSON, got nesting deeper than {limits.max_depth}"
+        ) from e
+    except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(src, "header", f"expected strict UTF-8 JSON, got invalid bytes ({e})") from e
 
 
-def _depth(text: str) -> int:
-    """Bracket nesting depth outside strings, found without recursion."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch in "]}":
-            depth -= 1
+def _depth(obj: Any, limit: int) -> int:
+    """How deep lists and objects nest in parsed JSON (more than ``limit``: found once past it), without recursion.
+
+    >>> _depth({"a": [[1], "]]]"], "b": {}}, 16), _depth([[[]]], 1)
+    (3, 2)
+    """
+    deepest, stack = 0, [(obj, 1)] if isinstance(obj, (list, dict)) else []
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            break
+        values = node.values() if isinstance(node, dict) else node
+        stack.extend((v, depth + 1) for v in values if isinstance(v, (list, dict)))
     return deepest
 
 
