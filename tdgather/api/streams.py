@@ -68,6 +68,7 @@ _MERGE_BYTES_PER_VALUE_ROW = 24  # a ragged leaf's value row: its int64 place, s
 # filenames). Counted, so that a spill of many small files stays within the budget too.
 _WRITE_BYTES_PER_FILE = 1536
 _CHUNK_BYTES_PER_FILE = 512  # a filename in a chunk: in the store, the wire header, rank dst's parsed copy
+SPILL_MAX = 64 << 20  # rank dst writes what it holds every this many bytes at most: the writes overlap receiving
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class Settings:
     @property
     def spill_bytes(self) -> int:
         """Bytes rank dst buffers before it writes them."""
-        return max(self.chunk_bytes, (self.memory_budget - self.upload_bytes) * 35 // 100)
+        return max(self.chunk_bytes, min(SPILL_MAX, (self.memory_budget - self.upload_bytes) * 35 // 100))
 
     @property
     def pool_bytes(self) -> int:
