@@ -25,14 +25,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def torchrun(*args: str, env: dict | None = None) -> subprocess.Popen:
+    env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def two_nodes(out: Path, *more: str) -> list[str]:
-    """examples/predict.py on two "nodes" of 2 processes: two torchrun invocations that meet on loopback."""
+def two_nodes(out: Path, *more: str, second: dict | None = None) -> list[str]:
+    """examples/predict.py on two "nodes" of 2 processes: two torchrun invocations that meet on loopback.
+
+    ``second``: environment of the second node only.
+    """
     port = free_port()
     nodes = [
         torchrun(
@@ -47,6 +50,7 @@ def two_nodes(out: Path, *more: str) -> list[str]:
             "--out",
             str(out),
             *more,
+            env=second if n else None,
         )
         for n in range(2)
     ]
@@ -76,6 +80,23 @@ def test_two_nodes_give_the_single_node_result(tmp_path, one_node):
     outs = two_nodes(tmp_path / "two_nodes")
     assert sum("tdgather: 324 frames" in out for out in outs) == 1  # rank 0's summary, on one of the nodes
     assert_same_frames(tmp_path / "two_nodes", one_node)
+
+
+def test_a_node_on_another_host_sends_over_gloo_and_gives_the_same_result(tmp_path, one_node):
+    # its own segment directory makes the second node another host (its host token differs): its
+    # ranks send over gloo, the first node's sender through shared memory
+    (tmp_path / "other_host_shm").mkdir()
+    outs = two_nodes(tmp_path / "two_hosts", second={"TDGATHER_SHM_DIR": str(tmp_path / "other_host_shm")})
+    [summary] = [line for out in outs for line in out.splitlines() if line.startswith("tdgather: 324 frames")]
+    assert "per rank {0: 54, 1: 108, 2: 162, 3: 0}" in summary
+    shared = int(summary.split(", ")[-1].split()[0]) if "shared memory" in summary else 0
+    assert 0 < shared  # rank 1, on rank 0's node
+    assert_same_frames(tmp_path / "two_hosts", one_node)
+    assert not list((tmp_path / "other_host_shm").iterdir())  # nothing left where the second node could write
+    with_shared = [
+        line for out in two_nodes(tmp_path / "one_host") for line in out.splitlines() if "324 frames" in line
+    ]
+    assert int(with_shared[0].split(", ")[-1].split()[0]) > shared  # rank 2's chunks too, when it shares the host
 
 
 def test_a_writer_per_node_gives_the_single_writer_dataset(tmp_path, one_node):

@@ -160,6 +160,7 @@ class CollectorSummary:
             f"tdgather: {self.frames} frames, {self.bytes / 1e6:.1f} MB, {dups}, "
             f"per rank {{{per_rank}}}, {self.shards} shards in {self.path}, {self.seconds:.2f} s "
             f"({self.throughput_mb_s:.1f} MB/s), close {self.close_seconds:.3f} s"
+            + (f", {self.shared_chunks} chunks through shared memory" if self.shared_chunks else "")
         )
 
 
