@@ -68,7 +68,9 @@ _MERGE_BYTES_PER_VALUE_ROW = 24  # a ragged leaf's value row: its int64 place, s
 # filenames). Counted, so that a spill of many small files stays within the budget too.
 _WRITE_BYTES_PER_FILE = 1536
 _CHUNK_BYTES_PER_FILE = 512  # a filename in a chunk: in the store, the wire header, rank dst's parsed copy
-SPILL_MAX = 64 << 20  # rank dst writes what it holds every this many bytes at most: the writes overlap receiving
+# rank dst writes what it holds once it holds this many frame bytes, even under its budget: the
+# writes overlap receiving (a spill of many small files is not cut: its cost grows with the files)
+SPILL_FRAME_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class Settings:
     @property
     def spill_bytes(self) -> int:
         """Bytes rank dst buffers before it writes them."""
-        return max(self.chunk_bytes, min(SPILL_MAX, (self.memory_budget - self.upload_bytes) * 35 // 100))
+        return max(self.chunk_bytes, (self.memory_budget - self.upload_bytes) * 35 // 100)
 
     @property
     def pool_bytes(self) -> int:
@@ -165,17 +167,23 @@ class CollectorSummary:
 
 
 class _Spill:
-    """What rank dst's writer holds until it writes: parts, the pooled buffers under them, budget bytes."""
+    """What rank dst's writer holds until it writes: parts, the pooled buffers under them, budget bytes, frame bytes."""
 
     def __init__(self) -> None:
         self.parts: list = []
         self.buffers: list = []
         self.nbytes = 0
+        self.frame_bytes = 0
 
-    def add(self, parts: list, buffers: list, nbytes: int) -> None:
+    def add(self, parts: list, buffers: list, nbytes: int, frame_bytes: int) -> None:
         self.parts += parts
         self.buffers += buffers
         self.nbytes += nbytes
+        self.frame_bytes += frame_bytes
+
+    def full(self, settings: Settings) -> bool:
+        """Time to write: the budget's share reached, or `SPILL_FRAME_BYTES` of frames held."""
+        return self.nbytes >= settings.spill_bytes or self.frame_bytes >= SPILL_FRAME_BYTES
 
 
 def _bookkeeping_bytes(parts: list, frames: int) -> int:
@@ -568,8 +576,8 @@ class Destination(_Side):
                 self.write_failed = True
                 self.fail_all(e)
                 continue
-            spill.add(parts, buffers, size + _bookkeeping_bytes(parts, frames))
-            if spill.nbytes >= self.settings.spill_bytes:
+            spill.add(parts, buffers, size + _bookkeeping_bytes(parts, frames), size)
+            if spill.full(self.settings):
                 self._spill(spill.parts)
                 self.pool.give(spill.buffers)  # written: the buffers take the next chunks
                 spill = _Spill()
