@@ -191,8 +191,13 @@ def test_frame_idx_accepts_every_integer_form_and_refuses_the_rest():
     store.update(
         {"a": [(np.int16(6), torch.zeros(1)), (torch.tensor(7), torch.zeros(1))], "b": (np.uint8(0), torch.ones(1))}
     )
+    store.add(["c", "c"], [np.uint64(5), np.uint64(2)], torch.zeros(2, 1))  # numpy uint64 scalars
+    store.add(["d"], torch.tensor([3], dtype=torch.uint64), torch.zeros(1, 1))
+    store.update({"e": (torch.tensor(4, dtype=torch.uint64), torch.ones(1))})
     merged = merge(roundtrip(store)[0]).files
     assert merged["a"].frame_idx.tolist() == list(range(9)) and merged["b"].frame_idx.tolist() == [0]
+    assert merged["c"].frame_idx.tolist() == [2, 5] and merged["d"].frame_idx.tolist() == [3]
+    assert merged["e"].frame_idx.tolist() == [4]
     for bad, shown in [
         (29.97, "float 29.97"),
         (3.0, "float 3.0"),
@@ -217,12 +222,18 @@ def test_frame_idx_accepts_every_integer_form_and_refuses_the_rest():
         r"fits in int64, got 18446744073709551616",
     ):
         store.add(["x"], [2**64], torch.zeros(1, 1))
+    # uint64 past int64: refused in every form, never wrapped to a negative index
+    for big in (np.array([2**63], dtype=np.uint64), torch.tensor([2**64 - 1], dtype=torch.uint64), [np.uint64(2**63)]):
+        with pytest.raises(UnsupportedValueError, match=r"position 0\): expected an index that fits in int64, got (9|1)"):
+            store.add(["x"], big, torch.zeros(1, 1))
+    with pytest.raises(UnsupportedValueError, match=r"filename 'x'\): expected an index that fits in int64, got 9"):
+        store.update({"x": (torch.tensor(2**63, dtype=torch.uint64), torch.zeros(1))})
     with pytest.raises(ValueError, match=r"add\(\): got 3 filenames and 2 frame indices"):
         store.add(["x"] * 3, [1, 2], torch.zeros(2, 1))
     for bad in (0, -1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="timeout: expected a positive, finite number of seconds"):
             tdgather.gather({}, timeout=bad)
-    assert len(store) == 10  # nothing half-added
+    assert len(store) == 14  # nothing half-added
 
 
 def test_empty_batches_of_any_shape_are_accepted():

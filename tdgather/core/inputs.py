@@ -22,9 +22,14 @@ def index_value(x: Any) -> int | None:
     if isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool):
         return None
     if not isinstance(x, torch.Tensor) and hasattr(x, "__array__") and getattr(x, "size", 0) == 1:
-        x = torch.as_tensor(x).reshape(())  # a one-element numpy array
-        if x.dtype == torch.bool:
+        if getattr(getattr(x, "dtype", None), "kind", "") == "b":  # a numpy bool
             return None
+        try:
+            return operator.index(x)  # a numpy integer (uint64 too) or 0-d integer array
+        except TypeError:
+            x = torch.as_tensor(x).reshape(())  # a one-element array
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not (x.dtype.is_floating_point or x.dtype.is_complex):
+        return int(x.reshape(()).item())  # exact, also a uint64 past int64 (refused by range, not wrapped)
     try:
         return operator.index(x)
     except TypeError:
@@ -44,7 +49,13 @@ def as_index(frame_idx: Any, where: str, names: Sequence[str] | None = None) -> 
             raise UnsupportedValueError(f"{where}: expected {_INDEX_RULE}, got a tensor of dtype {dt}")
         if frame_idx.dim() > 1:
             raise ValueError(f"{where}: expected one index per frame (1-d), got shape {list(frame_idx.shape)}")
-        return frame_idx.detach().reshape(-1).to(device="cpu", dtype=torch.int64)
+        frame_idx = frame_idx.detach().reshape(-1).to(device="cpu")
+        if dt == torch.uint64 and bool((frame_idx.view(torch.int64) < 0).any()):  # 2**63 and up would wrap
+            k = int((frame_idx.view(torch.int64) < 0).nonzero()[0])
+            owner = f" (filename {names[k]!r})" if names is not None else f" (position {k})"
+            big = int(frame_idx[k].item())
+            raise UnsupportedValueError(f"{where}{owner}: expected an index that fits in int64, got {big}")
+        return frame_idx.to(dtype=torch.int64)
     if isinstance(frame_idx, str | bytes) or not isinstance(frame_idx, Sequence | Iterable):
         raise UnsupportedValueError(f"{where}: expected a sequence of {_INDEX_RULE}, got {type(frame_idx).__name__}")
     values = []
