@@ -224,7 +224,9 @@ def test_frame_idx_accepts_every_integer_form_and_refuses_the_rest():
         store.add(["x"], [2**64], torch.zeros(1, 1))
     # uint64 past int64: refused in every form, never wrapped to a negative index
     for big in (np.array([2**63], dtype=np.uint64), torch.tensor([2**64 - 1], dtype=torch.uint64), [np.uint64(2**63)]):
-        with pytest.raises(UnsupportedValueError, match=r"position 0\): expected an index that fits in int64, got (9|1)"):
+        with pytest.raises(
+            UnsupportedValueError, match=r"position 0\): expected an index that fits in int64, got (9|1)"
+        ):
             store.add(["x"], big, torch.zeros(1, 1))
     with pytest.raises(UnsupportedValueError, match=r"filename 'x'\): expected an index that fits in int64, got 9"):
         store.update({"x": (torch.tensor(2**63, dtype=torch.uint64), torch.zeros(1))})

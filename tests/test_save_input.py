@@ -51,3 +51,24 @@ def test_a_dict_of_frames_is_still_written(tmp_path):
     frames = {"a.mp4": tdgather.Frames(frame_idx=torch.arange(2), frames=torch.ones(2, 3), batch_size=[2])}
     ds = tdgather.open(tdgather.save(frames, tmp_path / "ds"))
     assert torch.equal(ds["a.mp4"].frames, torch.ones(2, 3))
+
+
+def test_many_long_filenames_are_cut_into_shards_that_safetensors_reads(tmp_path):
+    # 13,000 names of 5,200 characters: 68 MB of segment records, over one shard's header budget
+    # (safetensors refuses a header over 100 MB: one shard of 20,000 such names was unreadable)
+    from safetensors import safe_open
+
+    names = [f"{i:05d}_" + "x" * 5200 + ".jpg" for i in range(13_000)]
+    store = tdgather.FrameStore()
+    store.add(names, [0] * len(names), torch.arange(2 * len(names), dtype=torch.float32).reshape(-1, 2))
+    out = tmp_path / "long_names"
+    tdgather.save(tdgather.gather(store), out)
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) == 2
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            assert f.metadata()["format"] == "tdgather"
+    ds = tdgather.open(out)
+    assert len(ds) == 13_000
+    for k in (0, 6_500, 12_999):
+        assert ds[names[k]].frames.tolist() == [[2.0 * k, 2.0 * k + 1]]

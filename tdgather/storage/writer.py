@@ -45,6 +45,7 @@ from ..core.promote import SAME_LAYOUT, common_layout, promote_columns, ragged_h
 from ..core.ragged import Ragged, joined, offsets_of
 from ..core.runs import in_runs
 from ..errors import FrameConflictError, OutputError, ShapeMismatchError
+from ..format.limits import SHARD_HEADER_MAX, segment_record_bytes
 from ..format.names import FORMAT, SHARD_VERSION, group_names, index_version, next_number, shard_name
 from ..format.records import Attempt, Failure, IndexMeta, ShardRecord
 from .atomic import LocalFS
@@ -184,14 +185,16 @@ class DatasetWriter:
 
     def _write(self, frames: Any, ranks: Mapping[str, set[int]], mismatches: Mismatches | None) -> list[str]:
         shards: list[list[_Item]] = [[]]
-        size = 0
+        size = header = 0
         for item in self._drop_written(_items(frames, ranks), mismatches):
-            nbytes = _frame_bytes(item.layout, item.idx, item.tensors)
-            if shards[-1] and size + nbytes + 8 * item.idx.numel() > self.max_shard_bytes:
+            nbytes = _frame_bytes(item.layout, item.idx, item.tensors) + 8 * item.idx.numel()
+            record = segment_record_bytes(item.name)  # many long filenames: the header's limit comes first
+            if shards[-1] and (size + nbytes > self.max_shard_bytes or header + record > SHARD_HEADER_MAX):
                 shards.append([])
-                size = 0
+                size = header = 0
             shards[-1].append(item)
-            size += nbytes + 8 * item.idx.numel()
+            size += nbytes
+            header += record
         return [self._write_shard(shard) for shard in shards if shard]
 
     def _write_shard(self, shard: list[_Item]) -> str:

@@ -1,0 +1,26 @@
+"""What a shard may hold beyond its bytes: the size of its header, which readers bound.
+
+safetensors refuses a file whose header is over 100,000,000 bytes. A shard's header holds, in
+its ``__metadata__``, a segment record per filename (`tdgather.format.records.ShardRecord`), so
+a writer cuts a shard before those records reach `SHARD_HEADER_MAX`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SHARD_HEADER_MAX", "segment_record_bytes"]
+
+SHARD_HEADER_MAX = 64 << 20  # the records' share; the rest of 100 MB is room for the tensor entries
+
+
+def segment_record_bytes(name: str) -> int:
+    """At most the bytes a filename's segment record adds to a shard's header.
+
+    The record is JSON inside a JSON string: a character takes at most 7 bytes (a control
+    character, escaped twice); a printable ASCII name without quotes or backslashes, one.
+
+    >>> segment_record_bytes("a.mp4"), segment_record_bytes('a"b')
+    (53, 69)
+    """
+    if name.isascii() and name.isprintable() and '"' not in name and "\\" not in name:
+        return len(name) + 48
+    return 7 * len(name.encode("utf-8")) + 48
