@@ -176,3 +176,16 @@ def test_objects_smoke(capsys):
         assert rows[(method, "2")][-2:] == [str(sent), str(sent)], rows[(method, "2")]
     assert float(rows[("s3fs_one_object", "2")][2]) == pytest.approx(sent * 65536 / 1e6, abs=0.1)
     assert "| put | " in out and "| complete | " in out
+
+
+def test_stages_smoke(tmp_path):
+    """benchmarks.stages times the stages a Collector call goes through, on every rank."""
+    from benchmarks.stages import _rank
+    from tdgather.tools.launch import run_local_world
+
+    dst, sender = run_local_world(_rank, 2, "collector", "4", 1, str(tmp_path), timeout=300)
+    for stages in (dst, sender):
+        total, n, first, last = stages["(the call)"]
+        assert n == 1 and first == 0 and last == total > 0
+    assert dst["writer.DatasetWriter._write_shard"][1] >= 1  # the dataset was written on rank 0
+    assert any(label.startswith("streams.send_frames") for label in sender)  # and sent by rank 1

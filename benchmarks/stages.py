@@ -1,0 +1,149 @@
+"""Where one call's time goes: per-stage wall time on every rank, by timers around tdgather's functions.
+
+Run: ``python -m benchmarks.stages gather tiny --world 2`` (a workload of `benchmarks.workloads`, the
+store filled before the timing as `tdgather_gather` does) or ``python -m benchmarks.stages collector
+300 --world 2`` (every sender streams that many MB of 1 MiB frames to a Collector, as
+`benchmarks.host` does). ``TDGATHER_SHM=0`` sends every byte over gloo.
+
+For each stage (a library function, wrapped here before the first call): its total time in the
+call, how many times it ran, and when it first started and last ended, in ms from the barrier
+before the call; the median over ``--repeats`` calls after a warm-up. Stages overlap: they run on
+several threads (rank dst's receive threads, a Collector's writer and fsync threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import tdgather
+from tdgather.tools.launch import run_local_world
+
+STAGES = {  # module: names (a "Class.method" is wrapped on its class)
+    "tdgather.api.gather": [
+        "pack",
+        "send_frames",
+        "place",
+        "read_pieces",
+        "read_frames",
+        "merge",
+        "_Receive._place",
+        "_Receive._land_local",
+        "_Receive._result",
+        "Landing.finish",
+    ],
+    "tdgather.api.streams": ["pack", "send_frames", "read_frames", "merge", "Destination._spill"],
+    "tdgather.dist.protocol": ["open_segment", "Joiner.join"],
+    "tdgather.dist.transport": ["decode_json", "decode_header", "decode_index", "Channel.recv_answer"],
+    "tdgather.dist.shm": ["SegmentWriter.write"],
+    "tdgather.storage.writer": ["DatasetWriter._write_shard"],
+    "os": ["fsync"],
+}
+_EVENTS: list[tuple[str, float, float]] = []
+_LOCK = threading.Lock()
+
+
+def _instrument() -> None:
+    import importlib
+
+    for module, names in STAGES.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            owner, attr = (getattr(mod, name.split(".")[0]), name.split(".")[1]) if "." in name else (mod, name)
+            fn = getattr(owner, attr)
+            label = f"{module.rsplit('.', 1)[-1]}.{name}"
+
+            def timed(*a, _fn=fn, _label=label, **k):
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    with _LOCK:
+                        _EVENTS.append((_label, t, time.perf_counter()))
+
+            setattr(owner, attr, functools.wraps(fn)(timed))
+
+
+def _call(kind: str, arg: str, scratch: str, number: int, state: dict) -> None:
+    rank = dist.get_rank()
+    if kind == "gather":
+        tdgather.gather(state["store"])
+        return
+    frames = state["data"].view(-1, 1 << 20)
+    with tdgather.Collector(os.path.join(scratch, f"c{number}"), progress=False, timeout=600) as col:
+        for lo in range(0, frames.shape[0], 32):
+            batch = frames[lo : lo + 32]
+            col.add(f"r{rank}.bin", torch.arange(lo, lo + batch.shape[0]), batch)
+
+
+def _rank(kind: str, arg: str, repeats: int, scratch: str) -> dict:
+    from benchmarks import workloads
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state: dict = {}
+    if kind == "gather":
+        state["store"] = tdgather.FrameStore(copy=False)
+        for names, idx, frames in workloads.batches(arg, rank, world):
+            state["store"].add(names, idx, frames)
+    else:
+        n = int(arg) << 20 if rank else 0
+        state["data"] = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    _instrument()
+    calls = []
+    for k in range(repeats + 1):
+        _EVENTS.clear()
+        dist.barrier()
+        t0 = time.perf_counter()
+        _call(kind, arg, scratch, k, state)
+        total = time.perf_counter() - t0
+        dist.barrier()
+        if rank == 0:
+            for entry in os.scandir(scratch):
+                shutil.rmtree(entry.path, ignore_errors=True)
+        if k:
+            stages: dict[str, list[float]] = {}
+            for label, a, b in _EVENTS:
+                s = stages.setdefault(label, [0.0, 0, 1e9, 0.0])
+                s[0] += b - a
+                s[1] += 1
+                s[2] = min(s[2], a - t0)
+                s[3] = max(s[3], b - t0)
+            stages["(the call)"] = [total, 1, 0.0, total]
+            calls.append(stages)
+    out = {}
+    for label in calls[0]:
+        rows = [c[label] for c in calls if label in c]
+        out[label] = [statistics.median(r[i] for r in rows) for i in range(4)]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("kind", choices=["gather", "collector"])
+    p.add_argument("arg", help="gather: a workload (tiny, mixed, large, ...); collector: MB a sender streams")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    scratch = tempfile.mkdtemp(prefix="tdgather-stages-")
+    try:
+        results = run_local_world(_rank, args.world, args.kind, args.arg, args.repeats, scratch, timeout=900)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"# {args.kind} {args.arg}, {args.world} ranks, median of {args.repeats}; ms from the barrier")
+    for rank, stages in enumerate(results):
+        print(f"rank {rank}")
+        for label, (total, n, first, last) in sorted(stages.items(), key=lambda kv: kv[1][2]):
+            print(f"  {label:34s} {total * 1e3:8.1f} ms  x{n:<5.0f} {first * 1e3:7.1f} -> {last * 1e3:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
