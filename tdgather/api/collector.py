@@ -48,16 +48,8 @@ from ..storage.location import is_url, store_at
 from ..storage.recovery import Saved
 from ..storage.sink import SinkFactory
 from ..storage.writer import DEFAULT_SHARD_BYTES
-from .streams import (
-    BlockWriter,
-    CollectorStatus,
-    CollectorSummary,
-    Coordinator,
-    Destination,
-    Sender,
-    Settings,
-    Uplink,
-)
+from .settings import CollectorStatus, CollectorSummary, Settings
+from .streams import BlockWriter, Coordinator, Destination, Sender, Uplink
 from .terminate import SigtermAsExit
 
 __all__ = ["Collector", "CollectorStatus", "CollectorSummary"]

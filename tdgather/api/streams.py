@@ -18,9 +18,6 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -38,159 +35,17 @@ from ..dist.transport import Answers, Call, heartbeat_interval, peer_error
 from ..dist.wire import HEARTBEAT, Kind, error_header
 from ..errors import DuplicateFrameError, PeerError, PeerLostError, ProtocolError
 from ..format.parts import check_part, check_run, counts_of
-from ..storage.location import is_url
-from ..storage.objects import BLOCK_BYTES, PARTS_IN_FLIGHT
 from ..storage.recovery import Saved
-from ..storage.sink import SinkFactory
 from ..storage.writer import DatasetWriter
 from .jobs import Job
+from .settings import CollectorStatus, CollectorSummary, Settings, Spill, bookkeeping_bytes
 
-__all__ = [
-    "BlockWriter",
-    "CollectorStatus",
-    "CollectorSummary",
-    "Coordinator",
-    "Destination",
-    "Sender",
-    "Settings",
-    "Uplink",
-]
+__all__ = ["BlockWriter", "Coordinator", "Destination", "Sender", "Uplink"]
 
 _POLL = 0.1  # seconds between the send thread's looks at dst's answer while idle
 _AFTER_ANSWER = 5.0  # seconds a sender still waits for its sends once dst has answered
 _CLOSE = object()
-# What merging a buffer costs per frame beyond its bytes (sort keys, permutations, masks, int64
-# indices): about 100 bytes. Counted against the budget, so that tiny frames respect it too.
-_MERGE_BYTES_PER_FRAME = 128
-_MERGE_BYTES_PER_VALUE_ROW = 24  # a ragged leaf's value row: its int64 place, source chunk and row
-# What writing a spill costs per filename beyond its frames: its name in the merge's tables, its
-# views and segment while its shard is written (about 1.5 KB, measured with 300,000 one-frame
-# filenames). Counted, so that a spill of many small files stays within the budget too.
-_WRITE_BYTES_PER_FILE = 1536
 _CHUNK_BYTES_PER_FILE = 512  # a filename in a chunk: in the store, the wire header, rank dst's parsed copy
-# rank dst writes what it holds once it holds this many frame bytes, even under its budget: the
-# writes overlap receiving (a spill of many small files is not cut: its cost grows with the files)
-SPILL_FRAME_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class Settings:
-    """A Collector's settings, fixed when it opens: all that `Sender` and `Destination` read.
-
-    The budget on rank dst, in chunks c: one payload per receiver (``peers``) + the inbox
-    (``max_pending``) + the spill (``spill_bytes`` + c) + a merge's copy of small rows (spill + c).
-    With the default c = budget / (8 (W + 1)) that is at most budget / 4 + 0.7 budget.
-    """
-
-    path: Path | str  # a local path, or an object store URL
-    dst: int
-    timeout: timedelta
-    overwrite: bool
-    duplicates: DuplicatePolicy
-    copy: bool
-    memory_budget: int
-    chunk_bytes: int
-    max_pending: int
-    max_shard_bytes: int
-    progress: bool | None
-    metadata: Mapping[str, Any]
-    peers: int  # ranks that send to dst
-    resume: bool = False
-    sink: SinkFactory | None = None  # makes rank dst's (and each writer's) sink; default DatasetWriter
-    storage_options: dict | None = None  # fsspec's, for an object store URL
-    fixed: bool = False  # ragged=False: every leaf fixed, a first dim that changes refused (else made ragged)
-
-    @property
-    def upload_bytes(self) -> int:
-        """What an object store upload holds (its parts in flight, and the one being cut); 0 for a local path."""
-        return (PARTS_IN_FLIGHT + 1) * BLOCK_BYTES if is_url(self.path) else 0
-
-    @property
-    def spill_bytes(self) -> int:
-        """Bytes rank dst buffers before it writes them."""
-        return max(self.chunk_bytes, (self.memory_budget - self.upload_bytes) * 35 // 100)
-
-    @property
-    def pool_bytes(self) -> int:
-        """Received buffers kept for reuse: at most the spill and every chunk in flight."""
-        return self.spill_bytes + (self.max_pending + self.peers) * self.chunk_bytes
-
-
-@dataclass(frozen=True)
-class CollectorStatus:
-    """A snapshot of an open `Collector`, on any rank (`Collector.status`).
-
-    Attributes:
-        frames_received: on rank dst (or a block's writer), the frames received so far from each
-            rank (its own included); elsewhere empty.
-        shards: shards written so far (rank dst, a writer); else 0.
-        pending_peak: on a sender, the most chunks it has held unsent at once (at most
-            ``max_pending``: back-pressure); else 0.
-    """
-
-    frames_received: dict[int, int] = field(default_factory=dict)
-    shards: int = 0
-    pending_peak: int = 0
-
-
-@dataclass(frozen=True)
-class CollectorSummary:
-    """What a `Collector` wrote, returned by ``close()`` on rank ``dst``."""
-
-    path: str
-    frames: int
-    bytes: int
-    duplicates_dropped: int
-    frames_per_rank: dict[int, int] = field(default_factory=dict)
-    shards: int = 0
-    seconds: float = 0.0
-    close_seconds: float = 0.0
-    duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
-    combine_seconds: float = 0.0  # with several writers: reading their shards' records, copies across them
-    shared_chunks: int = 0  # chunks received through shared memory (senders on rank dst's host), not gloo
-
-    @property
-    def throughput_mb_s(self) -> float:
-        """Frame bytes written per second, from ``open()`` to the end of ``close()``."""
-        return self.bytes / 1e6 / self.seconds if self.seconds else 0.0
-
-    def __str__(self) -> str:
-        per_rank = ", ".join(f"{r}: {n}" for r, n in self.frames_per_rank.items())
-        d = self.duplicates
-        dups = f"{d.dropped} duplicates dropped ({d.exact} exact, {d.inexact} inexact, max diff {d.max_abs_diff:g})"
-        return (
-            f"tdgather: {self.frames} frames, {self.bytes / 1e6:.1f} MB, {dups}, "
-            f"per rank {{{per_rank}}}, {self.shards} shards in {self.path}, {self.seconds:.2f} s "
-            f"({self.throughput_mb_s:.1f} MB/s), close {self.close_seconds:.3f} s"
-            + (f", {self.shared_chunks} chunks through shared memory" if self.shared_chunks else "")
-        )
-
-
-class _Spill:
-    """What rank dst's writer holds until it writes: parts, the pooled buffers under them, budget bytes, frame bytes."""
-
-    def __init__(self) -> None:
-        self.parts: list = []
-        self.buffers: list = []
-        self.nbytes = 0
-        self.frame_bytes = 0
-
-    def add(self, parts: list, buffers: list, nbytes: int, frame_bytes: int) -> None:
-        self.parts += parts
-        self.buffers += buffers
-        self.nbytes += nbytes
-        self.frame_bytes += frame_bytes
-
-    def full(self, settings: Settings) -> bool:
-        """Time to write: the budget's share reached, or `SPILL_FRAME_BYTES` of frames held."""
-        return self.nbytes >= settings.spill_bytes or self.frame_bytes >= SPILL_FRAME_BYTES
-
-
-def _bookkeeping_bytes(parts: list, frames: int) -> int:
-    """What merging and writing ``parts`` costs beyond their tensor bytes: per frame, value row and filename."""
-    values = sum(p.value_rows for p in parts)
-    files = sum(len(p.files) for p in parts)
-    return _MERGE_BYTES_PER_FRAME * frames + _MERGE_BYTES_PER_VALUE_ROW * values + _WRITE_BYTES_PER_FILE * files
 
 
 def _return_freed_memory() -> None:
@@ -555,7 +410,7 @@ class Destination(_Side):
 
     def _write_loop(self) -> None:
         """Write everything that arrives, after a failure elsewhere too, until a write itself fails."""
-        spill, open_sources = _Spill(), {*self.channels, self.rank}
+        spill, open_sources = Spill(), {*self.channels, self.rank}
         while open_sources:
             kind, src, item = self.queue.get()
             if kind == "end":
@@ -576,11 +431,11 @@ class Destination(_Side):
                 self.write_failed = True
                 self.fail_all(e)
                 continue
-            spill.add(parts, buffers, size + _bookkeeping_bytes(parts, frames), size)
+            spill.add(parts, buffers, size + bookkeeping_bytes(parts, frames), size)
             if spill.full(self.settings):
                 self._spill(spill.parts)
                 self.pool.give(spill.buffers)  # written: the buffers take the next chunks
-                spill = _Spill()
+                spill = Spill()
         if spill.parts:
             self._spill(spill.parts)
 
