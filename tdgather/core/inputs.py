@@ -50,8 +50,9 @@ def as_index(frame_idx: Any, where: str, names: Sequence[str] | None = None) -> 
         if frame_idx.dim() > 1:
             raise ValueError(f"{where}: expected one index per frame (1-d), got shape {list(frame_idx.shape)}")
         frame_idx = frame_idx.detach().reshape(-1).to(device="cpu")
-        if dt == torch.uint64 and bool((frame_idx.view(torch.int64) < 0).any()):  # 2**63 and up would wrap
-            k = int((frame_idx.view(torch.int64) < 0).nonzero()[0])
+        past = (frame_idx.view(torch.int64) < 0).nonzero() if dt == torch.uint64 else ()  # 2**63 and up would wrap
+        if len(past):
+            k = int(past[0])
             owner = f" (filename {names[k]!r})" if names is not None else f" (position {k})"
             big = int(frame_idx[k].item())
             raise UnsupportedValueError(f"{where}{owner}: expected an index that fits in int64, got {big}")
