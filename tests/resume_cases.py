@@ -8,9 +8,12 @@ an interrupted and resumed run must give the uninterrupted run's dataset bit for
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -110,13 +113,33 @@ def case_run(
         sampler = DistributedSampler(todo, num_replicas=world, rank=rank, shuffle=True, seed=0)
         for b, (names, idx) in enumerate(DataLoader(todo, batch_size=batch, sampler=sampler)):
             if kill and kill["rank"] == rank and kill.get("batch") == b:
+                _wait_for_every_first_add(out, resume, world)
                 os.kill(os.getpid(), signal.SIGKILL)
             x = torch.stack([frame_input(n, int(i)) for n, i in zip(names, idx, strict=True)])
             out_frames = model(x)
             if layout == "wider":  # a different model on resume: another shape (a dim after the first), same filenames
                 out_frames["depth"] = torch.cat([out_frames["depth"]] * 2, dim=2)
             col.add(names, idx, out_frames)
+            if kill and "batch" in kill and b == 0:
+                _stamp(out, resume, rank).touch()
     return {"todo": len(todo), "saved_frames": col.saved.num_frames, "saved_files": len(col.saved)}
+
+
+def _wait_for_every_first_add(out: str, resume: bool, world: int) -> None:
+    """Before a rank is killed: every other rank has added a batch, so each writer holds frames of its
+    own to save (on a loaded machine a writer could otherwise lose its peer before its first add)."""
+    deadline = time.monotonic() + 30
+    stamps = [_stamp(out, resume, r) for r in range(world)]
+    while not all(p.exists() for p in stamps if p != stamps[dist.get_rank()]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for p in stamps:
+        p.unlink(missing_ok=True)
+
+
+def _stamp(out: str, resume: bool, rank: int) -> Path:
+    """Where ``rank`` notes its first add, outside the output's directory (which tests list)."""
+    key = hashlib.sha1(f"{out}\0{resume}".encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"tdgather-test-added-{key}-{rank}"
 
 
 def case_run_reporting(out: str, resume: bool, layout: str) -> dict:
