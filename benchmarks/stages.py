@@ -45,6 +45,7 @@ STAGES = {  # module: names (a "Class.method" is wrapped on its class)
     "tdgather.dist.protocol": ["open_segment", "Joiner.join"],
     "tdgather.dist.transport": ["decode_json", "decode_header", "decode_index", "Channel.recv_answer"],
     "tdgather.dist.shm": ["SegmentWriter.write"],
+    "tdgather.dist.direct": ["ResultMemory.arena", "Target.write", "Target.open"],
     "tdgather.storage.writer": ["DatasetWriter._write_shard"],
     "os": ["fsync"],
 }

@@ -54,14 +54,19 @@ def wire(monkeypatch):
     return fake
 
 
-def answer(kind, header, src=0):
+def answer(kind, header, src=0, seq=0):
     raw = encode_json(header)
-    return [Prelude(kind, 0, len(raw), 0, src).encode(), torch.frombuffer(bytearray(raw), dtype=torch.uint8)]
+    return [Prelude(kind, seq, len(raw), 0, src).encode(), torch.frombuffer(bytearray(raw), dtype=torch.uint8)]
+
+
+def after_ready(kind, header):
+    """Rank dst's ready answer (no host: gloo carries everything), then its answer."""
+    return deque(answer(Kind.DONE, {"frames": 0}) + answer(kind, header, seq=1))
 
 
 def test_sender_sequence_and_receiver_replay(wire):
     preds = {"a.mp4": [(1, torch.ones(2, 2)), (0, torch.zeros(2, 2))], "b.mp4": (4, torch.full((2, 2), 3.0))}
-    wire.inbox[0] = deque(answer(Kind.DONE, {"frames": 3}))
+    wire.inbox[0] = after_ready(Kind.DONE, {"frames": 3})
     _send(preds, Channel(None, 0, timedelta(seconds=5)))
     dsts, tensors = zip(*wire.sent, strict=True)
     assert set(dsts) == {0}
@@ -86,20 +91,20 @@ def test_sender_sequence_and_receiver_replay(wire):
 
 
 def test_empty_sender_sends_an_empty_data_message_then_done(wire):
-    wire.inbox[0] = deque(answer(Kind.DONE, {"frames": 0}))
+    wire.inbox[0] = after_ready(Kind.DONE, {"frames": 0})
     _send({}, Channel(None, 0, timedelta(seconds=5)))
     assert [t.tolist()[2] for _, t in wire.sent[::2]] == [Kind.DATA, Kind.DONE]
     assert bytes(wire.sent[1][1].tolist()) == b'{"files":[],"groups":[]}'
 
 
 def test_sender_raises_when_destination_answers_error(wire):
-    wire.inbox[0] = deque(answer(Kind.ERROR, {"type": "DuplicateFrameError", "message": "filename 'x' ..."}))
+    wire.inbox[0] = after_ready(Kind.ERROR, {"type": "DuplicateFrameError", "message": "filename 'x' ..."})
     with pytest.raises(PeerError, match="rank 0 failed with DuplicateFrameError: filename 'x'"):
         _send({"x": (0, torch.ones(1))}, Channel(None, 0, timedelta(seconds=5)))
 
 
 def test_bad_input_sends_error_message(wire):
-    wire.inbox[0] = deque(answer(Kind.ERROR, {"type": "PeerError", "message": "rank 1 failed"}))
+    wire.inbox[0] = after_ready(Kind.ERROR, {"type": "PeerError", "message": "rank 1 failed"})
     with pytest.raises(tdgather.UnsupportedValueError, match="complex128"):
         _send({"x": (0, torch.ones(1, dtype=torch.complex128))}, Channel(None, 0, timedelta(seconds=5)))
     kinds = [t.tolist()[2] for _, t in wire.sent[::2]]

@@ -2,14 +2,19 @@
 
 Call order, on every rank of the group:
 
-1. every rank agrees on the call (`tdgather.dist.transport.begin_call`: call number, dst);
-2. each sender posts its frames (`tdgather.dist.pack`, `tdgather.dist.protocol.send_frames`): a data
-   message with its frame index, the pieces, then ``done`` (or ``error`` when its own input
-   was bad); then it waits for rank ``dst``'s answer (past its heartbeats), then for its sends;
+1. every rank agrees on the call (`tdgather.dist.transport.begin_call`: call number, dst); rank
+   ``dst`` posts each sender a ready answer: its host, and the shared memory its result will be
+   placed in (`tdgather.dist.direct`);
+2. each sender reads it and posts its frames (`tdgather.dist.pack`, `tdgather.dist.protocol.send_frames`):
+   a data message with its frame index, the pieces, then ``done`` (or ``error`` when its own input
+   was bad); then it waits for rank ``dst``'s answer (past its heartbeats), then for its sends. A
+   sender on rank ``dst``'s host with large fixed-size frames sends no pieces: its data message
+   says ``direct``, and once rank ``dst`` answers where its rows go, it copies them there itself;
 3. rank ``dst`` reads every peer's data message on the peer's own thread (receives name their
    source) and sends heartbeats to the peers;
 4. with every frame index in hand, rank ``dst`` plans every row's place (`tdgather.core.plan`) and
-   allocates the result once; each peer's pieces then land there, straight into place where
+   allocates the result once (in that shared memory when a sender writes there itself, and tells
+   it where); each other peer's pieces then land there, straight into place where
    their rows form one run, else through two reused buffers and a scatter that overlaps the
    next piece's transfer; rank ``dst``'s own frames are scattered meanwhile;
 5. rank ``dst`` compares duplicates (`tdgather.core.duplicates` policy) and answers each peer
@@ -40,11 +45,22 @@ from ..core.promote import unify
 from ..core.ragged import values_of
 from ..core.rows import run_start, scatter_rows
 from ..core.store import FrameStore, as_store
+from ..dist.direct import ResultMemory, Target, fixed_size, result_nbytes
 from ..dist.pack import pack
-from ..dist.protocol import Joiner, as_bytes, end_stream, expect_done, read_frames, read_pieces, send_frames
+from ..dist.protocol import (
+    Joiner,
+    as_bytes,
+    end_stream,
+    expect_done,
+    read_frames,
+    read_pieces,
+    send_frames,
+    send_pieces,
+)
 from ..dist.transport import (
     Answers,
     Channel,
+    Message,
     as_timeout,
     begin_call,
     heartbeat_interval,
@@ -70,6 +86,8 @@ class GatherStats:
         seconds: the call's duration on rank ``dst``.
         duplicates: the copies dropped, exact and inexact, with the largest absolute difference.
         pieces: payload pieces received from the peers.
+        written_in_place: peers on rank ``dst``'s host that copied their frames straight into the
+            result (`tdgather.dist.direct`), sending no pieces.
         early_pieces: of them, those received before rank ``dst`` knew every row's place (into
             buffers of their own, scattered once it did): the transfer overlapping the placement.
     """
@@ -82,6 +100,7 @@ class GatherStats:
     duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
     pieces: int = 0
     early_pieces: int = 0
+    written_in_place: int = 0
 
 
 class Gathered(Mapping[str, Frames]):
@@ -181,15 +200,31 @@ def gather(
             _send(predictions, call.channel(dst), ragged)
             return None
         channels = {p: call.channel(p) for p in range(world) if p != rank}
+        memory = ResultMemory()
+        readies = _post_ready(channels, memory)  # before any heartbeat: each sender's first message
         answers = Answers(channels, heartbeat_interval(wait)).start()
         try:
             grace = wait.total_seconds() / 2
             with collection_paused():
-                return _Receive(predictions, rank, channels, policy, start, grace, ragged).run(answers)
+                receive = _Receive(predictions, rank, channels, policy, start, grace, ragged)
+                return receive.run(answers, memory, readies)
         finally:
             answers.stop()
+            memory.close()
     finally:
         call.end()
+
+
+def _post_ready(channels: dict[int, Channel], memory: ResultMemory) -> dict[int, Any]:
+    """Post every sender the ready answer; per peer, the works to wait for (or the error posting met)."""
+    header = {"frames": 0, **memory.ready()}
+    readies: dict[int, Any] = {}
+    for peer, ch in channels.items():
+        try:
+            readies[peer] = ch.send(Kind.DONE, header)
+        except PeerLostError as e:
+            readies[peer] = e
+    return readies
 
 
 def _send(predictions: Any, ch: Channel, ragged: Any = ()) -> None:
@@ -199,25 +234,55 @@ def _send(predictions: Any, ch: Channel, ragged: Any = ()) -> None:
             packed = pack(as_store(predictions, ragged))
     except Exception as e:  # bad input here: tell dst, so nobody waits for frames that never come
         failure = e
+    target = None
     try:
-        if failure is not None:
-            works = end_stream(ch, error=failure)
-        else:
-            works = send_frames(ch, packed, Joiner(reuse=False))
-            works += end_stream(ch, packed.frames)
-        # dst answers once it has read every stream (heartbeats until then), or at once when it
-        # has failed: then the sends may never complete, so the answer is read first, and they after
-        answer = ch.recv_answer()
+        answer = ch.recv_answer()  # rank dst's ready: its host, and where a same-host sender may write
         if answer.kind == Kind.DONE:
-            ch.wait(works, "sending to the destination")
+            if failure is not None:
+                works, answer = end_stream(ch, error=failure), None
+            else:
+                target = Target.open(answer.header, packed.parts)
+                works, failure, answer = _post(ch, packed, target)
+            # dst answers once it has read every stream (heartbeats until then), or at once when it
+            # has failed: then the sends may never complete, so the answer is read first, and they after
+            answer = answer or ch.recv_answer()
+            if answer.kind == Kind.DONE:
+                ch.wait(works, "sending to the destination")
     except TdgatherError:
         if failure is not None:  # the user's own error matters more than the lost destination
             raise failure from None
         raise
+    finally:
+        if target is not None:
+            target.close()
     if failure is not None:
         raise failure
     if answer.kind == Kind.ERROR:
         raise peer_error(ch.peer, answer.header)
+
+
+def _post(ch: Channel, packed: Any, target: Target | None) -> tuple[list, BaseException | None, Message | None]:
+    """Post a sender's frames, and ``done``: the works, a failure of its own, and rank dst's answer if it came.
+
+    With a ``target`` (rank dst's result memory, on this host), the data message asks to write in
+    place; rank dst answers where the rows go (they are copied there), or None (they go as pieces).
+    """
+    if target is None:
+        return send_frames(ch, packed, Joiner(reuse=False)) + end_stream(ch, packed.frames), None, None
+    works = ch.send(Kind.DATA, {**packed.header, "direct": True}, packed.index)
+    answer = ch.recv_answer()
+    if answer.kind == Kind.ERROR:  # rank dst failed before it placed: its answer came instead
+        return works, None, answer
+    if "place" not in answer.header:
+        raise ProtocolError(ch.peer, "header.place", f"expected where this rank's rows go, got {sorted(answer.header)}")
+    if answer.header["place"] is None:
+        works += send_pieces(ch, packed, Joiner(reuse=False))
+        return works + end_stream(ch, packed.frames), None, None
+    try:
+        target.write(answer.header["place"], packed.parts, ch.peer)
+    except (ProtocolError, OSError, RuntimeError) as e:  # rank dst hears why, and keeps what the others sent
+        return works + end_stream(ch, error=e), e, None
+    return works + end_stream(ch, packed.frames), None, None
 
 
 class _Receive:
@@ -255,6 +320,12 @@ class _Receive:
         self.late = False
         self.pieces = [0, 0]  # received, and of them early (before the placement): `GatherStats`
         self.counting = threading.Lock()
+        self.memory: ResultMemory | None = None
+        self.readies: dict[int, Any] = {}
+        self.answers: Answers | None = None
+        self.direct: set[int] = set()  # peers that asked to write their rows in place
+        self.places: dict[int, dict] = {}  # ... and where rank dst placed them (the others send pieces)
+        self.wrote: set[int] = set()  # ... and of those, the peers that wrote them all
 
     def local(self) -> Gathered:
         """No peers: place and merge rank dst's own frames."""
@@ -270,7 +341,8 @@ class _Receive:
             raise error
         return result
 
-    def run(self, answers: Answers) -> Gathered:
+    def run(self, answers: Answers, memory: ResultMemory, readies: dict[int, Any]) -> Gathered:
+        self.answers, self.memory, self.readies = answers, memory, readies
         with ThreadPoolExecutor(max_workers=len(self.channels), thread_name_prefix="tdgather-recv") as pool:
             futures = {peer: pool.submit(self._read_peer, peer) for peer in self.channels}
             try:
@@ -326,7 +398,11 @@ class _Receive:
     def _read_peer(self, peer: int) -> None:
         ch = self.channels[peer]
         try:
+            ready = self.readies.get(peer, [])
+            if isinstance(ready, BaseException):
+                raise ready
             msg = ch.recv()
+            ch.wait(ready, "the ready answer")  # read by now: the sender reads it before it sends
             if msg.kind == Kind.ERROR:
                 raise peer_error(peer, msg.header)
             if msg.kind != Kind.DATA:
@@ -335,9 +411,13 @@ class _Receive:
                 Part(peer, g.layout, list(msg.header.files), ids, idx, list(g.json), lengths=lengths)
                 for g, (ids, idx, lengths) in zip(msg.header.groups, msg.index, strict=True)
             ]
+            if msg.header.direct:
+                self.direct.add(peer)
         finally:
             self.planned[peer].set()
         self.decided.wait()
+        if msg.header.direct and self._written_in_place(peer, ch, msg.header):
+            return
         if self.late:  # no placement (a frame index came late): receive as it comes, merge at the end
             try:
                 self.parts[peer] = read_frames(ch, msg)
@@ -353,6 +433,24 @@ class _Receive:
                 raise
             landing.finish()
         expect_done(ch, ch.recv(), msg.header.num_frames)
+
+    def _written_in_place(self, peer: int, ch: Channel, header: DataHeader) -> bool:
+        """A peer that asked to write in place: tell it where and wait for its ``done`` (True).
+
+        Or tell it to send pieces (False: they are read as any peer's).
+        """
+        self.placed.wait()
+        place = self.places.get(peer)
+        assert self.answers is not None
+        ch.wait(self.answers.post(peer, Kind.DONE, {"frames": 0, "place": place}), "the place answer")
+        if place is None:
+            return False
+        expect_done(ch, ch.recv(), header.num_frames)  # its rows are all in place
+        for part in self.parts[peer]:
+            k, dest, _ = self.dest[(peer, id(part))]
+            _mark(self.landed[k], dest)
+        self.wrote.add(peer)
+        return True
 
     def _promotes(self) -> bool:
         """Whether a leaf must be made ragged (`unify`): then every frame is received as it comes and merged.
@@ -370,11 +468,21 @@ class _Receive:
     def _place(self) -> None:
         parts = [p for r in sorted(self.parts) for p in self.parts[r]]  # lowest rank first
         self.placements = place(parts, self.mismatches, fixed=self.fixed)
+        # peers on this host that asked write their rows into the result themselves: it is placed in
+        # rank dst's shared memory (a peer with a ragged leaf is told to send pieces)
+        writers = [p for p in sorted(self.direct) if fixed_size(self.parts[p])]
+        shapes = [s for placement, _ in self.placements for s in placement.shapes()]
+        rows = [q.num_frames for p in writers for q in self.parts[p]]
+        in_memory = bool(writers) and self.memory is not None and self.memory.arena(result_nbytes(shapes, rows))
         for k, (placement, members) in enumerate(self.placements):
-            self.buffers.append(placement.allocate())
+            self.buffers.append(placement.allocate(empty=self.memory.take if in_memory else None))
             self.landed.append(torch.zeros(placement.num_frames + placement.kept.numel(), dtype=torch.bool))
             for part, dest, leaf_dest in zip(members, placement.dest, placement.leaf_dest, strict=True):
                 self.dest[(part.rank, id(part))] = (k, dest, leaf_dest)
+        if in_memory:
+            for p in writers:
+                dests = [self.dest[(p, id(q))][:2] for q in self.parts[p]]
+                self.places[p] = self.memory.place(self.buffers, dests)
 
     def _land_local(self) -> None:
         for part in self.parts[self.rank]:
@@ -409,6 +517,7 @@ class _Receive:
             duplicates=found,
             pieces=self.pieces[0],
             early_pieces=self.pieces[1],
+            written_in_place=len(self.wrote),
         )
         return Gathered(groups, stats)
 

@@ -126,21 +126,29 @@ class Placement:
         """Frames in the result."""
         return self.frame_idx.numel()
 
-    def allocate(self, leaves: list[int] | None = None) -> list[Any]:
+    def shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Each leaf's buffer as `allocate` makes it (a ragged leaf's: its values): shape and dtype."""
+        rows = self.num_frames + self.kept.numel()
+        offsets = self.offsets or [None] * len(self.layout.leaves)
+        return [
+            ((rows if off is None else int(off[-1]), *leaf.shape), leaf.dtype)
+            for leaf, off in zip(self.layout.leaves, offsets, strict=True)
+        ]
+
+    def allocate(self, leaves: list[int] | None = None, empty: Any = None) -> list[Any]:
         """One buffer per leaf (or per leaf of ``leaves``), ``[N + D, *leaf.shape]``.
 
         Rows ``0 .. N-1`` are the result, then the later copies. A ragged leaf's buffer is a
-        `Ragged` of N + D frames over new values.
+        `Ragged` of N + D frames over new values. ``empty(shape, dtype)`` makes each (default
+        ``torch.empty``; rank dst's shared result memory: `tdgather.dist.direct`).
         """
-        rows = self.num_frames + self.kept.numel()
+        empty = empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
         offsets = self.offsets or [None] * len(self.layout.leaves)
+        shapes = self.shapes()
         out = []
         for j in range(len(self.layout.leaves)) if leaves is None else leaves:
-            leaf, off = self.layout.leaves[j], offsets[j]
-            if off is None:
-                out.append(torch.empty((rows, *leaf.shape), dtype=leaf.dtype))
-            else:
-                out.append(Ragged(torch.empty((int(off[-1]), *leaf.shape), dtype=leaf.dtype), off))
+            values = empty(*shapes[j])
+            out.append(values if offsets[j] is None else Ragged(values, offsets[j]))
         return out
 
     def group(self, buffers: list[torch.Tensor]) -> Group:

@@ -18,11 +18,12 @@ batch of 1 MiB or more still goes uncopied.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..core.dtypes import dtype_name
+from ..core.plan import Part
 from ..core.store import FrameStore
 from .wire import ALIGN, index_offsets
 
@@ -41,12 +42,14 @@ class Packed:
     index: torch.Tensor | None  # uint8: the payload of the data message
     pieces: list[list[torch.Tensor]]  # each piece: batches' rows sent as one message (joined when several)
     frames: int
+    parts: list[Part] = field(default_factory=list)  # the store's parts, the rows in the pieces' order
 
 
 def pack(store: FrameStore) -> Packed:
     """Describe ``store`` as a data message and its pieces (batches are referenced, not copied)."""
     groups, index, pieces, specs = [], [], [], []
-    for part in store.parts(0):  # the frame index joined once; the batches as they are held
+    parts = store.parts(0)
+    for part in parts:  # the frame index joined once; the batches as they are held
         layout, ids, idx = part.layout, part.file_ids, part.frame_idx
         run_ids, run_rows = torch.unique_consecutive(ids, return_counts=True)
         fits = bool(idx.min() >= -(2**31)) and bool(idx.max() < 2**31)
@@ -87,7 +90,7 @@ def pack(store: FrameStore) -> Packed:
             for start, t in places:
                 payload[start : start + t.numel() * t.element_size()].view(t.dtype).copy_(t.reshape(-1))
     header = {"files": store.names, "groups": groups}
-    return Packed(header, payload, pieces, len(store))
+    return Packed(header, payload, pieces, len(store), parts)
 
 
 def _cut(tensors: list[torch.Tensor], row_bytes: int) -> tuple[list[int], list[list[torch.Tensor]]]:

@@ -29,7 +29,7 @@ from .shm import SegmentWriter, open_segment
 from .transport import Channel, Message, peer_error
 from .wire import DataHeader, Kind, error_header, segment_offsets
 
-__all__ = ["Joiner", "end_stream", "expect_done", "read_frames", "read_pieces", "send_frames"]
+__all__ = ["Joiner", "end_stream", "expect_done", "read_frames", "read_pieces", "send_frames", "send_pieces"]
 
 Land = Callable[[int, int, int, int], tuple[torch.Tensor, Callable[[], None] | None]]
 
@@ -87,7 +87,12 @@ def send_frames(ch: Channel, packed: Packed, joiner: Joiner, segments: SegmentWr
         name = segments.write([[as_bytes(t.contiguous()) for t in p] for p in packed.pieces], offsets, size)
         if name is not None:
             return ch.send(Kind.DATA, {**packed.header, "shm": {"name": name, "size": size}}, packed.index)
-    works = ch.send(Kind.DATA, packed.header, packed.index)
+    return ch.send(Kind.DATA, packed.header, packed.index) + send_pieces(ch, packed, joiner)
+
+
+def send_pieces(ch: Channel, packed: Packed, joiner: Joiner) -> list:
+    """Post the pieces of a packed store (its data message was sent); return the works to wait for."""
+    works: list = []
     for piece in packed.pieces:
         if len(piece) == 1:
             works += ch.send(Kind.PIECE, None, as_bytes(piece[0].contiguous()))

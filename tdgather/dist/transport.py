@@ -411,6 +411,11 @@ class Answers:
                 lost.add(peer)
         return lost
 
+    def post(self, peer: int, kind: Kind, header: dict) -> list:
+        """Post ``peer`` a message that does not end its wait (a place answer), between heartbeats; the works."""
+        with self.lock:
+            return self.channels[peer].send(kind, header)
+
     def answer_all(self, kind: Kind, header: dict | Callable[[int], dict], skip: Collection[int] = ()) -> None:
         """The final answer (one header, or one per peer) to every peer not yet answered, lost or in ``skip``.
 

@@ -63,8 +63,9 @@ __all__ = [
 
 MAGIC = int.from_bytes(b"tdgather", "big")
 HEARTBEAT = {"files": [], "groups": []}  # the header of an empty data message
-VERSION = 6  # 4: ragged leaves (elems, lengths); 5: the ready answer may carry what a resumed run saved;
-# 6: a data message may name a shared memory segment that holds its pieces (same host), the ready answer the host
+VERSION = 7  # 4: ragged leaves (elems, lengths); 5: the ready answer may carry what a resumed run saved;
+# 6: a data message may name a shared memory segment that holds its pieces (same host), the ready answer the host;
+# 7: gather opens with rank dst's ready answer; a same-host sender may write its rows into rank dst's result
 PRELUDE_LEN = 10
 ALIGN = 64  # every index tensor starts at a multiple of this, so its views are aligned
 
@@ -189,6 +190,7 @@ class DataHeader:
     files: tuple[str, ...]
     groups: tuple[GroupSpec, ...]
     shm: tuple[str, int] | None = None
+    direct: bool = False  # the sender will write its rows into rank dst's result (`tdgather.dist.direct`)
 
     @property
     def num_frames(self) -> int:
@@ -305,15 +307,20 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
     """
     limits = limits or Limits()
     c = ProtocolCheck(src)
-    if kind == Kind.DONE:  # a ready answer may add "saved" and "run", a writer's done "part": their readers check them
-        keys = {"frames"} | ({"saved", "run", "part", "host"} & set(obj) if isinstance(obj, dict) else set())
+    # a ready answer may add "saved", "run", "host" and "memfd", a place answer "place", a writer's done
+    # "part": their readers check them
+    if kind == Kind.DONE:
+        more = {"saved", "run", "part", "host", "memfd", "place"}
+        keys = {"frames"} | (more & set(obj) if isinstance(obj, dict) else set())
         c.int(c.obj(obj, "header", keys)["frames"], "header.frames")
         return obj
     if kind == Kind.ERROR:
         c.obj(obj, "header", {"type", "message"})
         c.str(obj["type"], "header.type"), c.str(obj["message"], "header.message")
         return obj
-    c.obj(obj, "header", {"files", "groups"} | ({"shm"} & set(obj) if isinstance(obj, dict) else set()))
+    c.obj(obj, "header", {"files", "groups"} | ({"shm", "direct"} & set(obj) if isinstance(obj, dict) else set()))
+    if "direct" in obj and obj["direct"] is not True:
+        raise c.fail("header.direct", "true (the sender writes its rows into rank dst's result)", obj["direct"])
     files = tuple(c.str(s, "header.files[]") for s in c.list(obj["files"], "header.files"))
     if len(set(files)) != len(files):
         raise c.fail("header.files", "distinct filenames", [f for f in files if files.count(f) > 1][:3])
@@ -358,7 +365,7 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
         if c.int(seg["size"], "header.shm.size") != size or size > limits.max_payload_bytes:
             raise c.fail("header.shm.size", f"{size} (the bytes the groups announce)", seg["size"])
         shm = (c.str(seg["name"], "header.shm.name"), size)
-    header = DataHeader(files, tuple(groups), shm)
+    header = DataHeader(files, tuple(groups), shm, "direct" in obj)
     if payload_len != header.index_nbytes:  # nothing unannounced is allocated (a heartbeat announces 0 bytes)
         raise c.fail("prelude.payload_len", f"{header.index_nbytes} (the frame index the groups announce)", payload_len)
     return header
