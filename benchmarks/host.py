@@ -14,7 +14,9 @@ senders' bytes. Methods:
 - ``disk``: each sender writes its own file under ``--dir`` and fsyncs it (the disk's limit for
   a Collector, which must write every byte once);
 - ``collector_shm``, ``collector_gloo``: `tdgather.Collector` to ``--dir`` (frames of 1 MiB, the
-  default budget), through shared memory segments and with ``TDGATHER_SHM=0``: open to close on rank 0.
+  default budget), through shared memory segments and with ``TDGATHER_SHM=0``: open to close on rank 0;
+- ``gather_shm``, ``gather_gloo``: `tdgather.gather` of the same frames (a filled `FrameStore`, one
+  file a sender), the senders writing into rank 0's result themselves, and with ``TDGATHER_SHM=0``.
 """
 
 from __future__ import annotations
@@ -114,6 +116,17 @@ def collector(ctx: dict, shared: bool) -> None:
         ctx["shared"] = col.summary.shared_chunks
 
 
+def gather(ctx: dict, shared: bool) -> None:
+    rank = dist.get_rank()
+    os.environ["TDGATHER_SHM"] = "1" if shared else "0"
+    if "store" not in ctx:  # filled once, as an inference loop would have
+        ctx["store"] = tdgather.FrameStore(copy=False)
+        if rank:
+            frames = ctx["data"].view(-1, FRAME)
+            ctx["store"].add(f"r{rank}.bin", torch.arange(frames.shape[0]), frames)
+    ctx["held"] = tdgather.gather(ctx["store"])  # rank 0 holds every byte
+
+
 METHODS = {
     "gloo_fresh": lambda c: gloo(c, False),
     "gloo_reused": lambda c: gloo(c, True),
@@ -122,6 +135,8 @@ METHODS = {
     "disk": disk,
     "collector_shm": lambda c: collector(c, True),
     "collector_gloo": lambda c: collector(c, False),
+    "gather_shm": lambda c: gather(c, True),
+    "gather_gloo": lambda c: gather(c, False),
 }
 
 

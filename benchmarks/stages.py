@@ -3,7 +3,10 @@
 Run: ``python -m benchmarks.stages gather tiny --world 2`` (a workload of `benchmarks.workloads`, the
 store filled before the timing as `tdgather_gather` does) or ``python -m benchmarks.stages collector
 300 --world 2`` (every sender streams that many MB of 1 MiB frames to a Collector, as
-`benchmarks.host` does). ``TDGATHER_SHM=0`` sends every byte over gloo.
+`benchmarks.host` does; ``--pace`` seconds between batches of 32 MiB, as an inference loop spaces
+them, so that rank dst keeps up: the ring of shared memory segments is then written again, and a
+sender's ``SegmentWriter.write`` shows what a chunk costs it). ``TDGATHER_SHM=0`` sends every byte
+over gloo; ``TDGATHER_SHM_RING=0`` writes every chunk into a new segment.
 
 For each stage (a library function, wrapped here before the first call): its total time in the
 call, how many times it ran, and when it first started and last ended, in ms from the barrier
@@ -44,7 +47,7 @@ STAGES = {  # module: names (a "Class.method" is wrapped on its class)
     "tdgather.api.streams": ["pack", "send_frames", "read_frames", "merge", "Destination._spill"],
     "tdgather.dist.protocol": ["open_segment", "Joiner.join"],
     "tdgather.dist.transport": ["decode_json", "decode_header", "decode_index", "Channel.recv_answer"],
-    "tdgather.dist.shm": ["SegmentWriter.write"],
+    "tdgather.dist.shm": ["SegmentWriter.write", "SegmentWriter._handed_back", "_hand_back", "_fill"],
     "tdgather.dist.direct": ["ResultMemory.arena", "Target.write", "Target.open"],
     "tdgather.storage.writer": ["DatasetWriter._write_shard"],
     "os": ["fsync"],
@@ -74,7 +77,7 @@ def _instrument() -> None:
             setattr(owner, attr, functools.wraps(fn)(timed))
 
 
-def _call(kind: str, arg: str, scratch: str, number: int, state: dict) -> None:
+def _call(kind: str, arg: str, scratch: str, number: int, state: dict, pace: float = 0.0) -> None:
     rank = dist.get_rank()
     if kind == "gather":
         tdgather.gather(state["store"])
@@ -84,9 +87,10 @@ def _call(kind: str, arg: str, scratch: str, number: int, state: dict) -> None:
         for lo in range(0, frames.shape[0], 32):
             batch = frames[lo : lo + 32]
             col.add(f"r{rank}.bin", torch.arange(lo, lo + batch.shape[0]), batch)
+            time.sleep(pace)
 
 
-def _rank(kind: str, arg: str, repeats: int, scratch: str) -> dict:
+def _rank(kind: str, arg: str, repeats: int, scratch: str, pace: float = 0.0) -> dict:
     from benchmarks import workloads
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -104,7 +108,7 @@ def _rank(kind: str, arg: str, repeats: int, scratch: str) -> dict:
         _EVENTS.clear()
         dist.barrier()
         t0 = time.perf_counter()
-        _call(kind, arg, scratch, k, state)
+        _call(kind, arg, scratch, k, state, pace)
         total = time.perf_counter() - t0
         dist.barrier()
         if rank == 0:
@@ -133,13 +137,15 @@ def main() -> None:
     p.add_argument("arg", help="gather: a workload (tiny, mixed, large, ...); collector: MB a sender streams")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--pace", type=float, default=0.0, help="collector: seconds between batches of 32 MiB")
     args = p.parse_args()
     scratch = tempfile.mkdtemp(prefix="tdgather-stages-")
     try:
-        results = run_local_world(_rank, args.world, args.kind, args.arg, args.repeats, scratch, timeout=900)
+        results = run_local_world(_rank, args.world, args.kind, args.arg, args.repeats, scratch, args.pace, timeout=900)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"# {args.kind} {args.arg}, {args.world} ranks, median of {args.repeats}; ms from the barrier")
+    pace = f", {args.pace:g} s between batches" if args.pace else ""
+    print(f"# {args.kind} {args.arg}, {args.world} ranks{pace}, median of {args.repeats}; ms from the barrier")
     for rank, stages in enumerate(results):
         print(f"rank {rank}")
         for label, (total, n, first, last) in sorted(stages.items(), key=lambda kv: kv[1][2]):

@@ -25,18 +25,41 @@ def shm(tmp_path, monkeypatch):
     return where
 
 
+PIECES = [
+    [torch.arange(10, dtype=torch.uint8)],
+    [torch.full((3,), 7, dtype=torch.uint8), torch.ones(2, dtype=torch.uint8)],
+]
+
+
 def test_a_segment_is_written_mapped_and_unlinked_at_once(shm):
-    w = SegmentWriter()
-    pieces = [
-        [torch.arange(10, dtype=torch.uint8)],
-        [torch.full((3,), 7, dtype=torch.uint8), torch.ones(2, dtype=torch.uint8)],
-    ]
-    name = w.write(pieces, [0, 64], 69)
-    assert name is not None and (shm / name).stat().st_size == 69
+    w = SegmentWriter(ring=0)  # no segment kept: each chunk in a new one
+    name, keep = w.write(PIECES, [0, 64], 69)
+    assert not keep and (shm / name).stat().st_size == 69
     data = open_segment(name, 69, src=1)
     assert not (shm / name).exists()  # mapped: gone from the directory, alive in the mapping
     assert data[:10].tolist() == list(range(10)) and data[64:69].tolist() == [7, 7, 7, 1, 1]
     w.cleanup()  # nothing left to remove, and no error
+
+
+def test_the_ring_is_written_again_once_rank_dst_has_let_go_of_it(shm):
+    w = SegmentWriter(ring=1)
+    name, keep = w.write(PIECES, [0, 64], 69)
+    assert keep
+    data = open_segment(name, 69, src=1, keep=True)
+    view = data[64:69]
+    del data
+    assert (shm / name).exists()  # kept: a view of it is alive
+    other, keep = w.write([[torch.full((4,), 9, dtype=torch.uint8)]], [0], 4)  # not handed back: a new one
+    assert other != name and not keep
+    open_segment(other, 4, src=1)
+    assert view.tolist() == [7, 7, 7, 1, 1]  # untouched
+    del view  # the last view: handed back
+    assert sorted(p.name for p in shm.iterdir()) == [name + ".free"]
+    again, keep = w.write([[torch.full((100,), 5, dtype=torch.uint8)]], [0], 100)  # taken back, and grown
+    assert (again, keep) == (name, True) and (shm / name).stat().st_size == 100
+    assert open_segment(again, 100, src=1, keep=True).tolist() == [5] * 100
+    w.cleanup()
+    assert list(shm.iterdir()) == []
 
 
 @pytest.mark.parametrize(
@@ -69,7 +92,11 @@ def test_a_header_whose_segment_size_disagrees_with_its_groups_is_refused():
     header = dict(pack(store).header)
     index_len = pack(store).index.numel()
     ok = decode_header({**header, "shm": {"name": "tdgather-1-0123abcd-0", "size": 20}}, Kind.DATA, 1, index_len)
-    assert ok.shm == ("tdgather-1-0123abcd-0", 20) and ok.pieces()  # the pieces are in the segment
+    assert ok.shm == ("tdgather-1-0123abcd-0", 20, False) and ok.pieces()  # the pieces are in the segment
+    kept = {"name": "tdgather-1-0123abcd-0", "size": 20, "keep": True}
+    assert decode_header({**header, "shm": kept}, Kind.DATA, 1, index_len).shm[2]
+    with pytest.raises(ProtocolError, match=r"header.shm.keep"):
+        decode_header({**header, "shm": {**kept, "keep": 1}}, Kind.DATA, 1, index_len)
     with pytest.raises(ProtocolError, match=r"header.shm.size: expected 20"):
         decode_header({**header, "shm": {"name": "tdgather-1-0123abcd-0", "size": 1 << 40}}, Kind.DATA, 1, index_len)
     with pytest.raises(ProtocolError, match=r"header.shm"):
@@ -79,9 +106,10 @@ def test_a_header_whose_segment_size_disagrees_with_its_groups_is_refused():
 def test_sweep_removes_the_segments_of_dead_processes_only(shm):
     dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True).stdout.strip()
     (shm / f"tdgather-{dead}-0123abcd-0").write_bytes(b"x")
+    (shm / f"tdgather-{dead}-0123abcd-1.free").write_bytes(b"x")  # a ring's segment, handed back
     (shm / f"tdgather-{os.getppid()}-0123abcd-0").write_bytes(b"x")  # alive
     (shm / "unrelated").write_bytes(b"x")
-    assert sweep() == 1
+    assert sweep() == 2
     assert sorted(p.name for p in shm.iterdir()) == [f"tdgather-{os.getppid()}-0123abcd-0", "unrelated"]
 
 

@@ -84,9 +84,11 @@ def send_frames(ch: Channel, packed: Packed, joiner: Joiner, segments: SegmentWr
     """
     if segments is not None and packed.pieces:
         offsets, size = _piece_offsets(packed.header)
-        name = segments.write([[as_bytes(t.contiguous()) for t in p] for p in packed.pieces], offsets, size)
-        if name is not None:
-            return ch.send(Kind.DATA, {**packed.header, "shm": {"name": name, "size": size}}, packed.index)
+        written = segments.write([[as_bytes(t.contiguous()) for t in p] for p in packed.pieces], offsets, size)
+        if written is not None:
+            name, keep = written
+            shm = {"name": name, "size": size, **({"keep": True} if keep else {})}
+            return ch.send(Kind.DATA, {**packed.header, "shm": shm}, packed.index)
     return ch.send(Kind.DATA, packed.header, packed.index) + send_pieces(ch, packed, joiner)
 
 
@@ -125,8 +127,8 @@ def _piece_offsets(header: dict) -> tuple[list[int], int]:
 
 def segment_columns(ch: Channel, header: DataHeader) -> list[list[torch.Tensor]]:
     """Per group, per tensor leaf: its rows in the data message's segment (views of its mapping)."""
-    name, size = header.shm
-    data = open_segment(name, size, ch.peer)
+    name, size, keep = header.shm
+    data = open_segment(name, size, ch.peer, keep)
     starts, _ = segment_offsets([(g.layout, g.elems) for g in header.groups])
     out, k = [], 0
     for g in header.groups:

@@ -15,10 +15,18 @@ after that are protected by its mode (0600): processes of the job's own user are
 can already attach to the job's processes. Every rank must use the same directory: its path is part
 of the host token, so a rank with another one uses gloo.
 
+A ring: a sender keeps its first `RING` segments (``"keep": true`` in the data message) and writes
+its later chunks into them again, so that most chunks are copied into memory already touched
+rather than into new pages (on these machines a new page costs more than the copy). Rank dst maps
+a kept segment without unlinking it, and once the last view of that mapping is gone (the spill
+that held its rows is written) hands it back by renaming it ``<name>.free``; a sender takes a
+segment back by renaming it to its name again (`SegmentWriter.write`). A sender never waits for
+one: with none handed back, the chunk goes into a new segment, unlinked by rank dst as it maps it.
+
 Lifetime: a segment is written whole before its header is sent, so a sender killed mid-write
 loses only that chunk; the file it leaves is removed by the next tdgather on that host whose
 process finds the writer's pid dead (`sweep`), and a sender removes at close whatever of its own
-rank dst did not take. Where the directory is missing, not writable or would keep less than
+rank dst did not take, and its ring. Where the directory is missing, not writable or would keep less than
 ``TDGATHER_SHM_SPARE`` bytes free (default 64 MiB), the chunk goes over gloo (one log line).
 ``TDGATHER_SHM=0`` turns the path off (the benchmarks' ``--gloo-only``).
 """
@@ -34,6 +42,8 @@ import re
 import secrets
 import socket
 import warnings
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +51,13 @@ import torch
 
 from ..core.checks import ProtocolCheck
 
-__all__ = ["SEGMENT_NAME", "SegmentWriter", "host_token", "open_segment", "shm_dir", "sweep"]
+__all__ = ["FREE", "RING", "SEGMENT_NAME", "SegmentWriter", "host_token", "open_segment", "shm_dir", "sweep"]
 
 log = logging.getLogger("tdgather")
 
 SEGMENT_NAME = re.compile(r"tdgather-([0-9]{1,10})-([0-9a-f]{8})-([0-9]{1,12})")  # pid, token, number
+FREE = ".free"  # a kept segment rank dst has handed back: ``<name>.free``
+RING = 3  # segments a sender keeps and writes again (``TDGATHER_SHM_RING``)
 
 
 _said: set[str] = set()  # the fall-backs logged by this process (one line each)
@@ -77,55 +89,111 @@ def host_token() -> str | None:
     return hashlib.sha256(f"{socket.gethostname()}\0{boot}\0{shm_dir()}".encode()).hexdigest()[:32]
 
 
-class SegmentWriter:
-    """One sender's segments: each packed chunk written into a new one (or None: send it over gloo)."""
+@dataclass
+class _Kept:
+    """A segment of the ring: its file (open), this sender's mapping of it, and its size."""
 
-    def __init__(self) -> None:
+    path: Path
+    fd: int
+    mm: mmap.mmap
+    size: int
+
+
+class SegmentWriter:
+    """One sender's segments: each packed chunk written into one (or None: send it over gloo)."""
+
+    def __init__(self, ring: int | None = None) -> None:
         self.dir = shm_dir()
         self.token = secrets.token_hex(4)
         self.number = 0
         self.made: list[Path] = []
+        self.kept: list[_Kept] = []
+        self.ring = int(os.environ.get("TDGATHER_SHM_RING", RING)) if ring is None else ring
         self.warned = False
 
-    def write(self, pieces: list[list[torch.Tensor]], offsets: list[int], size: int) -> str | None:
-        """Write the pieces (uint8 tensors each, in order) at ``offsets``; the segment's name, or None."""
+    def write(self, pieces: list[list[torch.Tensor]], offsets: list[int], size: int) -> tuple[str, bool] | None:
+        """Write the pieces (uint8 tensors each, in order) at ``offsets``.
+
+        Returns the segment's name and whether it is kept (rank dst hands it back), or None.
+        """
         if self.dir is None:
             return None
+        kept = self._handed_back(size) if size else None
+        if kept is None and size and len(self.kept) < self.ring:
+            made = self._create(size)
+            if made is None:
+                return None
+            path, fd = made
+            kept = _Kept(path, fd, mmap.mmap(fd, size, access=mmap.ACCESS_WRITE), size)
+            self.kept.append(kept)
+        if kept is not None:
+            _fill(kept.mm, pieces, offsets)
+            return kept.path.name, True
+        made = self._create(size)
+        if made is None:
+            return None
+        path, fd = made
+        try:
+            if size:
+                with mmap.mmap(fd, size, access=mmap.ACCESS_WRITE) as mm:
+                    _fill(mm, pieces, offsets)
+        finally:
+            os.close(fd)
+        if len(self.made) >= 64:  # those rank dst took are gone: keep only what may still need removing
+            self.made = [p for p in self.made if p.exists()]
+        self.made.append(path)
+        return path.name, False
+
+    def _create(self, size: int) -> tuple[Path, int] | None:
+        """A new segment of ``size`` bytes, its pages allocated (a full directory: None, and a log line)."""
+        assert self.dir is not None
         path = self.dir / f"tdgather-{os.getpid()}-{self.token}-{self.number}"
         self.number += 1
         try:
-            st = os.statvfs(self.dir)
-            spare = int(os.environ.get("TDGATHER_SHM_SPARE", 64 << 20))
-            if st.f_bavail * st.f_frsize < size + spare:
-                raise OSError(
-                    f"{self.dir} has {st.f_bavail * st.f_frsize} bytes free, a chunk of {size} would leave less than "
-                    f"TDGATHER_SHM_SPARE={spare}"
-                )
+            self._room(size)
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as e:
             self._fall_back(e)
             return None
-        if len(self.made) >= 64:  # those rank dst took are gone: keep only what may still need removing
-            self.made = [p for p in self.made if p.exists()]
-        self.made.append(path)
         try:
             os.ftruncate(fd, size)
             if size:
                 os.posix_fallocate(fd, 0, size)  # its pages now: a full directory is ENOSPC here, never a SIGBUS
-                with mmap.mmap(fd, size, access=mmap.ACCESS_WRITE) as mm:
-                    out = torch.frombuffer(mm, dtype=torch.uint8)
-                    for at, piece in zip(offsets, pieces, strict=True):
-                        for t in piece:
-                            out[at : at + t.numel()].copy_(t)
-                            at += t.numel()
-                    del out
         except OSError as e:  # the directory filled up meanwhile
             os.close(fd)
             self.remove(path)
             self._fall_back(e)
             return None
-        os.close(fd)
-        return path.name
+        return path, fd
+
+    def _room(self, size: int) -> None:
+        st = os.statvfs(self.dir)
+        spare = int(os.environ.get("TDGATHER_SHM_SPARE", 64 << 20))
+        if st.f_bavail * st.f_frsize < size + spare:
+            raise OSError(
+                f"{self.dir} has {st.f_bavail * st.f_frsize} bytes free, a chunk of {size} would leave less than "
+                f"TDGATHER_SHM_SPARE={spare}"
+            )
+
+    def _handed_back(self, size: int) -> _Kept | None:
+        """A kept segment rank dst has let go of, taken back (grown to ``size`` if need be); or None."""
+        for kept in self.kept:
+            try:
+                os.rename(kept.path.with_name(kept.path.name + FREE), kept.path)
+            except OSError:  # not handed back (yet)
+                continue
+            if kept.size < size:
+                try:
+                    self._room(size - kept.size)
+                    os.ftruncate(kept.fd, size)
+                    os.posix_fallocate(kept.fd, 0, size)
+                except OSError:  # no room to grow it: it waits for a smaller chunk
+                    os.rename(kept.path, kept.path.with_name(kept.path.name + FREE))
+                    return None
+                kept.mm.close()
+                kept.mm, kept.size = mmap.mmap(kept.fd, size, access=mmap.ACCESS_WRITE), size
+            return kept
+        return None
 
     def _fall_back(self, e: BaseException) -> None:
         if not self.warned:
@@ -137,14 +205,39 @@ class SegmentWriter:
             path.unlink()
 
     def cleanup(self) -> None:
-        """Remove every segment this writer made that rank dst did not take (it unlinks those it maps)."""
+        """Remove every segment this writer made that rank dst did not take (it unlinks those it maps), and the ring."""
         for path in self.made:
             self.remove(path)
         self.made.clear()
+        for kept in self.kept:
+            with contextlib.suppress(BufferError):
+                kept.mm.close()
+            os.close(kept.fd)
+            self.remove(kept.path)
+            self.remove(kept.path.with_name(kept.path.name + FREE))
+        self.kept.clear()
 
 
-def open_segment(name: Any, size: int, src: int) -> torch.Tensor:
-    """Map segment ``name`` of peer ``src`` (uint8 ``[size]``), checked as hostile input, and unlink it."""
+def _fill(mm: mmap.mmap, pieces: list[list[torch.Tensor]], offsets: list[int]) -> None:
+    out = torch.frombuffer(mm, dtype=torch.uint8)
+    for at, piece in zip(offsets, pieces, strict=True):
+        for t in piece:
+            out[at : at + t.numel()].copy_(t)
+            at += t.numel()
+
+
+def _hand_back(path: Path) -> None:
+    """Rank dst let go of a kept segment: its sender may write it again."""
+    with contextlib.suppress(OSError):
+        os.rename(path, path.with_name(path.name + FREE))
+
+
+def open_segment(name: Any, size: int, src: int, keep: bool = False) -> torch.Tensor:
+    """Map segment ``name`` of peer ``src`` (uint8 ``[size]``), checked as hostile input, and unlink it.
+
+    A ``keep`` segment (of the sender's ring) is left in place, at least ``size`` bytes, and handed
+    back once the last view of the mapping is gone.
+    """
     if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name):
         raise ProtocolCheck(src).fail("header.shm.name", "a segment name tdgather makes ('tdgather-<pid>-<token>-<n>')", name)
     where = shm_dir()
@@ -157,18 +250,24 @@ def open_segment(name: Any, size: int, src: int) -> torch.Tensor:
         raise ProtocolCheck(src).fail("header.shm.name", f"a segment in {where}", f"{name} ({e.strerror})") from None
     try:
         st = os.fstat(fd)
-        if not (st.st_mode & 0o170000 == 0o100000 and st.st_uid == os.getuid() and st.st_size == size):
-            expected = f"a regular file of user {os.getuid()} of {size} bytes"
+        fits = st.st_size >= size if keep else st.st_size == size
+        if not (st.st_mode & 0o170000 == 0o100000 and st.st_uid == os.getuid() and fits):
+            expected = f"a regular file of user {os.getuid()} of {'at least ' if keep else ''}{size} bytes"
             raise ProtocolCheck(src).fail("header.shm", expected, f"mode {oct(st.st_mode)}, user {st.st_uid}, {st.st_size} bytes")
         # read-only and shared: nothing is copied, and its pages are mapped at once (not one fault per page)
         populate = getattr(mmap, "MAP_POPULATE", 0)
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ) if size else None
     finally:
         os.close(fd)
-        with contextlib.suppress(OSError):  # (a directory stays)
-            path.unlink()  # mapped: the memory lives as long as the views of it
+        if not keep:
+            with contextlib.suppress(OSError):  # (a directory stays)
+                path.unlink()  # mapped: the memory lives as long as the views of it
     if mm is None:
+        if keep:
+            _hand_back(path)
         return torch.empty(0, dtype=torch.uint8)
+    if keep:
+        weakref.finalize(mm, _hand_back, path)
     with warnings.catch_warnings():  # a read-only buffer: its views are read, never written
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mm, dtype=torch.uint8)
@@ -182,7 +281,7 @@ def sweep() -> int:
     gone = 0
     with contextlib.suppress(OSError):
         for entry in os.scandir(where):
-            m = SEGMENT_NAME.fullmatch(entry.name)
+            m = SEGMENT_NAME.fullmatch(entry.name.removesuffix(FREE))
             if m is None or int(m.group(1)) == os.getpid():
                 continue
             with contextlib.suppress(OSError):

@@ -65,7 +65,8 @@ MAGIC = int.from_bytes(b"tdgather", "big")
 HEARTBEAT = {"files": [], "groups": []}  # the header of an empty data message
 VERSION = 7  # 4: ragged leaves (elems, lengths); 5: the ready answer may carry what a resumed run saved;
 # 6: a data message may name a shared memory segment that holds its pieces (same host), the ready answer the host;
-# 7: gather opens with rank dst's ready answer; a same-host sender may write its rows into rank dst's result
+# 7: gather opens with rank dst's ready answer; a same-host sender may write its rows into rank dst's result;
+# a segment may be kept (rank dst hands it back)
 PRELUDE_LEN = 10
 ALIGN = 64  # every index tensor starts at a multiple of this, so its views are aligned
 
@@ -183,13 +184,13 @@ class GroupSpec:
 class DataHeader:
     """The validated header of a data message (no groups: a heartbeat).
 
-    ``shm``: ``(name, size)`` of the shared memory segment that holds its pieces (`tdgather.dist.shm`),
+    ``shm``: ``(name, size, keep)`` of the shared memory segment that holds its pieces (`tdgather.dist.shm`),
     each tensor leaf at `segment_offsets`; None when the pieces follow as messages.
     """
 
     files: tuple[str, ...]
     groups: tuple[GroupSpec, ...]
-    shm: tuple[str, int] | None = None
+    shm: tuple[str, int, bool] | None = None
     direct: bool = False  # the sender will write its rows into rank dst's result (`tdgather.dist.direct`)
 
     @property
@@ -360,11 +361,14 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
         groups.append(GroupSpec(layout, rows, dtype, runs, tuple(values), tuple(pieces), elems))
     shm = None
     if "shm" in obj:
-        seg = c.obj(obj["shm"], "header.shm", {"name", "size"})
+        more = {"keep"} & set(obj["shm"]) if isinstance(obj["shm"], dict) else set()
+        seg = c.obj(obj["shm"], "header.shm", {"name", "size"} | more)
+        if seg.get("keep", True) is not True:
+            raise c.fail("header.shm.keep", "true (the sender keeps the segment: rank dst hands it back)", seg["keep"])
         size = segment_offsets([(g.layout, g.elems) for g in groups])[1]
         if c.int(seg["size"], "header.shm.size") != size or size > limits.max_payload_bytes:
             raise c.fail("header.shm.size", f"{size} (the bytes the groups announce)", seg["size"])
-        shm = (c.str(seg["name"], "header.shm.name"), size)
+        shm = (c.str(seg["name"], "header.shm.name"), size, "keep" in seg)
     header = DataHeader(files, tuple(groups), shm, "direct" in obj)
     if payload_len != header.index_nbytes:  # nothing unannounced is allocated (a heartbeat announces 0 bytes)
         raise c.fail("prelude.payload_len", f"{header.index_nbytes} (the frame index the groups announce)", payload_len)
