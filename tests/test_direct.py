@@ -17,14 +17,6 @@ from . import direct_cases as dc
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd on this system")
 
 
-@pytest.fixture
-def shm(tmp_path, monkeypatch):
-    d = tmp_path / "shm"
-    d.mkdir()
-    monkeypatch.setenv("TDGATHER_SHM_DIR", str(d))
-    return d
-
-
 @pytest.mark.world
 @pytest.mark.parametrize("world,dst", [(3, 0), (2, 1)])
 def test_senders_on_rank_dsts_host_write_their_rows_in_place(shm, world, dst):

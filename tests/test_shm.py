@@ -16,15 +16,6 @@ from tdgather.tools.launch import run_local_world
 
 from . import shm_cases as sc
 
-
-@pytest.fixture
-def shm(tmp_path, monkeypatch):
-    where = tmp_path / "shm"
-    where.mkdir()
-    monkeypatch.setenv("TDGATHER_SHM_DIR", str(where))
-    return where
-
-
 PIECES = [
     [torch.arange(10, dtype=torch.uint8)],
     [torch.full((3,), 7, dtype=torch.uint8), torch.ones(2, dtype=torch.uint8)],

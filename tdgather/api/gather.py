@@ -273,13 +273,14 @@ def _post(ch: Channel, packed: Any, target: Target | None) -> tuple[list, BaseEx
     answer = ch.recv_answer()
     if answer.kind == Kind.ERROR:  # rank dst failed before it placed: its answer came instead
         return works, None, answer
-    if "place" not in answer.header:
-        raise ProtocolError(ch.peer, "header.place", f"expected where this rank's rows go, got {sorted(answer.header)}")
-    if answer.header["place"] is None:
-        works += send_pieces(ch, packed, Joiner(reuse=False))
-        return works + end_stream(ch, packed.frames), None, None
     try:
-        target.write(answer.header["place"], packed.parts, ch.peer)
+        if "place" not in answer.header:
+            got = sorted(answer.header)
+            raise ProtocolError(ch.peer, "header.place", f"expected where this rank's rows go, got {got}")
+        if answer.header["place"] is None:
+            works += send_pieces(ch, packed, Joiner(reuse=False))
+        else:
+            target.write(answer.header["place"], packed.parts, ch.peer)
     except (ProtocolError, OSError, RuntimeError) as e:  # rank dst hears why, and keeps what the others sent
         return works + end_stream(ch, error=e), e, None
     return works + end_stream(ch, packed.frames), None, None
@@ -468,7 +469,7 @@ class _Receive:
     def _place(self) -> None:
         parts = [p for r in sorted(self.parts) for p in self.parts[r]]  # lowest rank first
         self.placements = place(parts, self.mismatches, fixed=self.fixed)
-        # peers on this host that asked write their rows into the result themselves: it is placed in
+        # peers on this host that asked to write their rows into the result themselves: it is placed in
         # rank dst's shared memory (a peer with a ragged leaf is told to send pieces)
         writers = [p for p in sorted(self.direct) if fixed_size(self.parts[p])]
         shapes = [s for placement, _ in self.placements for s in placement.shapes()]
