@@ -135,3 +135,13 @@ def test_no_memfd_of_another_host_or_process_is_opened(shm, tmp_path, monkeypatc
     monkeypatch.setenv("TDGATHER_SHM", "0")
     assert Target.open(ready, many) is None
     memory.close()
+
+
+def test_a_result_keeps_no_file_descriptor_open(shm):
+    before = len(os.listdir("/proc/self/fd"))
+    memory = ResultMemory()
+    assert memory.arena(SIZE)
+    result = memory.take((6, 4, 256), torch.float32)
+    memory.close()
+    result.fill_(1.0)  # alive, mapped
+    assert len(os.listdir("/proc/self/fd")) == before  # results kept cannot use up the process's descriptors

@@ -429,3 +429,19 @@ def test_to_hf_gives_a_leaf_one_column_type_when_some_filenames_stored_it_fixed(
     hf = tdgather.open(tdgather.save(tdgather.gather(store), tmp_path / "ds")).to_hf(cache_dir=tmp_path / "hf")
     rows = {(r["filename"], r["frame_idx"]): r["boxes"] for r in hf}
     assert [len(rows["a.mp4", i]) for i in (0, 1)] == [1, 3] and [len(rows["b.mp4", i]) for i in (0, 1)] == [2, 2]
+
+
+def test_a_copy_of_a_frame_with_large_ragged_rows_is_compared_in_one_spill(tmp_path):
+    # masks of 16 KiB a row are written by reference (not merged into new buffers): the copy of
+    # frame 0 is compared from those references (this raised AttributeError: 'Rows' has no 'device')
+    def masks(i: int) -> dict:
+        return {"masks": torch.rand(1 + i % 3, 64, 64, generator=torch.Generator().manual_seed(i))}
+
+    with tdgather.Collector(tmp_path / "ds", progress=False) as col:
+        col.add(["clip.mp4"] * 4, [0, 1, 2, 3], [masks(i) for i in [0, 1, 2, 3]])
+        col.add(["clip.mp4"] * 2, [4, 0], [masks(i) for i in [4, 0]])
+    assert col.summary.duplicates_dropped == 1
+    got = tdgather.open(tmp_path / "ds")["clip.mp4"]
+    assert got.frame_idx.tolist() == [0, 1, 2, 3, 4]
+    for i, m in enumerate(got.frames["masks"].unbind()):
+        assert torch.equal(m, masks(i)["masks"])

@@ -10,7 +10,7 @@ import torch
 
 import tdgather
 from tdgather import ProtocolError
-from tdgather.dist.shm import SegmentWriter, open_segment, sweep
+from tdgather.dist.shm import RING, SegmentWriter, open_segment, pid_namespace, sweep
 from tdgather.dist.wire import Kind, decode_header
 from tdgather.tools.launch import run_local_world
 
@@ -57,19 +57,19 @@ def test_the_ring_is_written_again_once_rank_dst_has_let_go_of_it(shm):
     "name, size, field",
     [
         ("../etc/passwd", 4, "header.shm.name"),
-        ("tdgather-1-zzzzzzzz-0", 4, "header.shm.name"),
+        ("tdgather-1-7-zzzzzzzz-0", 4, "header.shm.name"),
         (7, 4, "header.shm.name"),
-        ("tdgather-1-0123abcd-0", 4, "header.shm.name"),  # no such segment
-        ("tdgather-1-0123abcd-1", 5, "header.shm"),  # another size than announced
-        ("tdgather-1-0123abcd-2", 4, "header.shm"),  # a link
-        ("tdgather-1-0123abcd-3", 4, "header.shm"),  # a directory
+        ("tdgather-1-7-0123abcd-0", 4, "header.shm.name"),  # no such segment
+        ("tdgather-1-7-0123abcd-1", 5, "header.shm"),  # another size than announced
+        ("tdgather-1-7-0123abcd-2", 4, "header.shm"),  # a link
+        ("tdgather-1-7-0123abcd-3", 4, "header.shm"),  # a directory
     ],
 )
 def test_a_peer_naming_a_segment_is_checked_before_anything_is_mapped(shm, tmp_path, name, size, field):
-    (shm / "tdgather-1-0123abcd-1").write_bytes(b"abcd")
+    (shm / "tdgather-1-7-0123abcd-1").write_bytes(b"abcd")
     (tmp_path / "outside").write_bytes(b"abcd")
-    (shm / "tdgather-1-0123abcd-2").symlink_to(tmp_path / "outside")
-    (shm / "tdgather-1-0123abcd-3").mkdir()
+    (shm / "tdgather-1-7-0123abcd-2").symlink_to(tmp_path / "outside")
+    (shm / "tdgather-1-7-0123abcd-3").mkdir()
     with pytest.raises(ProtocolError, match=rf"rank 3.*{field.replace('.', '[.]')}"):
         open_segment(name, size, src=3)
     assert (tmp_path / "outside").read_bytes() == b"abcd"
@@ -82,26 +82,29 @@ def test_a_header_whose_segment_size_disagrees_with_its_groups_is_refused():
 
     header = dict(pack(store).header)
     index_len = pack(store).index.numel()
-    ok = decode_header({**header, "shm": {"name": "tdgather-1-0123abcd-0", "size": 20}}, Kind.DATA, 1, index_len)
-    assert ok.shm == ("tdgather-1-0123abcd-0", 20, False) and ok.pieces()  # the pieces are in the segment
-    kept = {"name": "tdgather-1-0123abcd-0", "size": 20, "keep": True}
+    ok = decode_header({**header, "shm": {"name": "tdgather-1-7-0123abcd-0", "size": 20}}, Kind.DATA, 1, index_len)
+    assert ok.shm == ("tdgather-1-7-0123abcd-0", 20, False) and ok.pieces()  # the pieces are in the segment
+    kept = {"name": "tdgather-1-7-0123abcd-0", "size": 20, "keep": True}
     assert decode_header({**header, "shm": kept}, Kind.DATA, 1, index_len).shm[2]
     with pytest.raises(ProtocolError, match=r"header.shm.keep"):
         decode_header({**header, "shm": {**kept, "keep": 1}}, Kind.DATA, 1, index_len)
     with pytest.raises(ProtocolError, match=r"header.shm.size: expected 20"):
-        decode_header({**header, "shm": {"name": "tdgather-1-0123abcd-0", "size": 1 << 40}}, Kind.DATA, 1, index_len)
+        decode_header({**header, "shm": {"name": "tdgather-1-7-0123abcd-0", "size": 1 << 40}}, Kind.DATA, 1, index_len)
     with pytest.raises(ProtocolError, match=r"header.shm"):
         decode_header({**header, "shm": {"name": "x"}}, Kind.DATA, 1, index_len)
 
 
 def test_sweep_removes_the_segments_of_dead_processes_only(shm):
     dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True).stdout.strip()
-    (shm / f"tdgather-{dead}-0123abcd-0").write_bytes(b"x")
-    (shm / f"tdgather-{dead}-0123abcd-1.free").write_bytes(b"x")  # a ring's segment, handed back
-    (shm / f"tdgather-{os.getppid()}-0123abcd-0").write_bytes(b"x")  # alive
+    ns = pid_namespace()
+    (shm / f"tdgather-{dead}-{ns}-0123abcd-0").write_bytes(b"x")
+    (shm / f"tdgather-{dead}-{ns}-0123abcd-1.free").write_bytes(b"x")  # a ring's segment, handed back
+    (shm / f"tdgather-{os.getppid()}-{ns}-0123abcd-0").write_bytes(b"x")  # alive
+    (shm / f"tdgather-{dead}-{ns + 1}-0123abcd-0").write_bytes(b"x")  # another namespace's (a container's)
     (shm / "unrelated").write_bytes(b"x")
     assert sweep() == 2
-    assert sorted(p.name for p in shm.iterdir()) == [f"tdgather-{os.getppid()}-0123abcd-0", "unrelated"]
+    kept = [f"tdgather-{os.getppid()}-{ns}-0123abcd-0", f"tdgather-{dead}-{ns + 1}-0123abcd-0", "unrelated"]
+    assert sorted(p.name for p in shm.iterdir()) == sorted(kept)
 
 
 def test_without_room_the_writer_declines_and_logs_once(shm, monkeypatch, caplog):
@@ -118,7 +121,7 @@ def test_a_collector_on_one_host_hands_chunks_over_in_shared_memory(tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
     dead = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True).stdout.strip()
-    (shm / f"tdgather-{dead}-0123abcd-0").write_bytes(b"x")  # a killed sender's leftover: swept at open
+    (shm / f"tdgather-{dead}-{pid_namespace()}-0123abcd-0").write_bytes(b"x")  # a killed sender's leftover: swept
     env = {"TDGATHER_SHM_DIR": str(shm)}
     out = run_local_world(sc.case_collect, 3, str(tmp_path / "ds"), env, timeout=120)
     assert out[0]["frames"] == 3 * 24 * 8 and out[0]["shared"] >= 2  # every frame checked bit for bit
@@ -133,3 +136,13 @@ def test_gloo_carries_the_chunks_where_shared_memory_is_off_or_full(tmp_path, en
     out = run_local_world(sc.case_collect, 3, str(tmp_path / "ds"), {"TDGATHER_SHM_DIR": str(shm), **env}, timeout=120)
     assert out[0]["frames"] == 3 * 24 * 8 and out[0]["shared"] == 0
     assert all(r["left"] == [] for r in out)
+
+
+@pytest.mark.parametrize("raw", ["abc", "1.5", "-1", ""])
+def test_a_ring_size_that_is_not_a_count_is_logged_and_the_default_used(shm, monkeypatch, caplog, raw):
+    monkeypatch.setenv("TDGATHER_SHM_RING", raw)
+    with caplog.at_level("WARNING", logger="tdgather"):
+        assert SegmentWriter().ring == RING and SegmentWriter().ring == RING
+    assert caplog.text.count(f"TDGATHER_SHM_RING={raw!r} is not a number of segments") == 1
+    monkeypatch.setenv("TDGATHER_SHM_RING", "0")
+    assert SegmentWriter().ring == 0

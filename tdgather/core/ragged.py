@@ -156,7 +156,8 @@ class Ragged:
             raise ValueError("Ragged frames are selected along dim 0")
         lengths = self.lengths[rows]
         index = element_index(self.offsets[:-1][rows], lengths)
-        values = self.values.index_select(0, index.to(self.values.device))
+        device = getattr(self.values, "device", index.device)  # (values by reference, `merge.Rows`: on the host)
+        values = self.values.index_select(0, index.to(device))
         return Ragged.from_lengths(values, lengths)
 
     def to_nested(self) -> torch.Tensor:

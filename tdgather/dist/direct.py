@@ -112,12 +112,15 @@ class ResultMemory:
             # can fail for room (a SIGBUS); running out of memory is what it is for `torch.empty`
             os.ftruncate(self.fd, nbytes)
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)  # and no process can cut it under a mapping
-            mm = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED) if nbytes else None
-        except OSError as e:
+            # mapped by torch, which keeps no descriptor open (a Python mmap keeps one as long as the
+            # result lives: results kept would use up the process's descriptors)
+            path = f"/proc/self/fd/{self.fd}"
+            data = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8) if nbytes else None
+        except (OSError, RuntimeError) as e:
             _say_once("same-host senders cannot write into rank dst's result", e)
             self.close()
             return False
-        self.data = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+        self.data = data if data is not None else torch.empty(0, dtype=torch.uint8)
         return True
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

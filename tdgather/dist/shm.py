@@ -25,7 +25,7 @@ one: with none handed back, the chunk goes into a new segment, unlinked by rank 
 
 Lifetime: a segment is written whole before its header is sent, so a sender killed mid-write
 loses only that chunk; the file it leaves is removed by the next tdgather on that host whose
-process finds the writer's pid dead (`sweep`), and a sender removes at close whatever of its own
+process (in the writer's PID namespace) finds the writer's pid dead (`sweep`), and a sender removes at close whatever of its own
 rank dst did not take, and its ring. Where the directory is missing, not writable or would keep less than
 ``TDGATHER_SHM_SPARE`` bytes free (default 64 MiB), the chunk goes over gloo (one log line).
 ``TDGATHER_SHM=0`` turns the path off (the benchmarks' ``--gloo-only``).
@@ -51,11 +51,12 @@ import torch
 
 from ..core.checks import ProtocolCheck
 
-__all__ = ["FREE", "RING", "SEGMENT_NAME", "SegmentWriter", "host_token", "open_segment", "shm_dir", "sweep"]
+__all__ = ["FREE", "RING", "SEGMENT_NAME", "SegmentWriter", "host_token", "open_segment", "pid_namespace", "ring_size", "shm_dir", "sweep"]
 
 log = logging.getLogger("tdgather")
 
-SEGMENT_NAME = re.compile(r"tdgather-([0-9]{1,10})-([0-9a-f]{8})-([0-9]{1,12})")  # pid, token, number
+# pid, pid namespace, token, number: a pid is only known alive or dead in its own namespace
+SEGMENT_NAME = re.compile(r"tdgather-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{8})-([0-9]{1,12})")
 FREE = ".free"  # a kept segment rank dst has handed back: ``<name>.free``
 RING = 3  # segments a sender keeps and writes again (``TDGATHER_SHM_RING``)
 
@@ -99,6 +100,17 @@ class _Kept:
     size: int
 
 
+def ring_size() -> int:
+    """``TDGATHER_SHM_RING``, or `RING`: one that is not a count of segments is logged once, and `RING` used."""
+    raw = os.environ.get("TDGATHER_SHM_RING", str(RING))
+    if raw.isdigit():
+        return int(raw)
+    if f"ring {raw}" not in _said:
+        _said.add(f"ring {raw}")
+        log.warning("tdgather: TDGATHER_SHM_RING=%r is not a number of segments (an integer >= 0); using %d", raw, RING)
+    return RING
+
+
 class SegmentWriter:
     """One sender's segments: each packed chunk written into one (or None: send it over gloo)."""
 
@@ -108,7 +120,7 @@ class SegmentWriter:
         self.number = 0
         self.made: list[Path] = []
         self.kept: list[_Kept] = []
-        self.ring = int(os.environ.get("TDGATHER_SHM_RING", RING)) if ring is None else ring
+        self.ring = ring_size() if ring is None else ring
         self.warned = False
 
     def write(self, pieces: list[list[torch.Tensor]], offsets: list[int], size: int) -> tuple[str, bool] | None:
@@ -147,7 +159,7 @@ class SegmentWriter:
     def _create(self, size: int) -> tuple[Path, int] | None:
         """A new segment of ``size`` bytes, its pages allocated (a full directory: None, and a log line)."""
         assert self.dir is not None
-        path = self.dir / f"tdgather-{os.getpid()}-{self.token}-{self.number}"
+        path = self.dir / f"tdgather-{os.getpid()}-{pid_namespace()}-{self.token}-{self.number}"
         self.number += 1
         try:
             self._room(size)
@@ -239,7 +251,7 @@ def open_segment(name: Any, size: int, src: int, keep: bool = False) -> torch.Te
     back once the last view of the mapping is gone.
     """
     if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name):
-        raise ProtocolCheck(src).fail("header.shm.name", "a segment name tdgather makes ('tdgather-<pid>-<token>-<n>')", name)
+        raise ProtocolCheck(src).fail("header.shm.name", "a segment name tdgather makes ('tdgather-<pid>-<namespace>-<token>-<n>')", name)
     where = shm_dir()
     if where is None:
         raise ProtocolCheck(src).fail("header.shm", "no segment: shared memory is off on rank dst", name)
@@ -247,7 +259,9 @@ def open_segment(name: Any, size: int, src: int, keep: bool = False) -> torch.Te
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        raise ProtocolCheck(src).fail("header.shm.name", f"a segment in {where}", f"{name} ({e.strerror})") from None
+        gone = " (removed before rank dst mapped it: by another process sweeping the directory?)"
+        expected = f"a segment in {where}" + (gone if isinstance(e, FileNotFoundError) else "")
+        raise ProtocolCheck(src).fail("header.shm.name", expected, f"{name} ({e.strerror})") from None
     try:
         st = os.fstat(fd)
         fits = st.st_size >= size if keep else st.st_size == size
@@ -273,8 +287,20 @@ def open_segment(name: Any, size: int, src: int, keep: bool = False) -> torch.Te
         return torch.frombuffer(mm, dtype=torch.uint8)
 
 
+def pid_namespace() -> int:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``; 0 where it cannot be read)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def sweep() -> int:
-    """Remove segments (of this user) whose writer's process is gone; return how many."""
+    """Remove segments (of this user) whose writer's process is gone; return how many.
+
+    Only segments written in this process's PID namespace: another namespace's pids (a container
+    sharing ``/dev/shm``) cannot be checked from here, and are that namespace's to sweep.
+    """
     where = shm_dir()
     if where is None:
         return 0
@@ -282,7 +308,7 @@ def sweep() -> int:
     with contextlib.suppress(OSError):
         for entry in os.scandir(where):
             m = SEGMENT_NAME.fullmatch(entry.name.removesuffix(FREE))
-            if m is None or int(m.group(1)) == os.getpid():
+            if m is None or int(m.group(1)) == os.getpid() or int(m.group(2)) != pid_namespace():
                 continue
             with contextlib.suppress(OSError):
                 if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(m.group(1))):
