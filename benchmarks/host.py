@@ -15,6 +15,8 @@ senders' bytes. Methods:
   a Collector, which must write every byte once);
 - ``collector_shm``, ``collector_gloo``: `tdgather.Collector` to ``--dir`` (frames of 1 MiB, the
   default budget), through shared memory segments and with ``TDGATHER_SHM=0``: open to close on rank 0;
+- ``collector_writers``: the same with ``ranks_per_writer=1``: every rank writes its own shards into
+  the one dataset, rank 0 only lists them at close (what ``disk`` does, plus the index);
 - ``gather_shm``, ``gather_gloo``: `tdgather.gather` of the same frames (a filled `FrameStore`, one
   file a sender), the senders writing into rank 0's result themselves, and with ``TDGATHER_SHM=0``.
 """
@@ -102,13 +104,13 @@ def disk(ctx: dict) -> None:
     _wait_all(world)
 
 
-def collector(ctx: dict, shared: bool) -> None:
+def collector(ctx: dict, shared: bool, ranks_per_writer: int | None = None) -> None:
     rank = dist.get_rank()
     os.environ["TDGATHER_SHM"] = "1" if shared else "0"
     ctx["calls"] = ctx.get("calls", 0) + 1
     path = os.path.join(ctx["dir"], f"col-{ctx['calls']}")
     frames = ctx["data"].view(-1, FRAME) if rank else ctx["data"][:0].view(0, FRAME)
-    with tdgather.Collector(path, progress=False, timeout=600) as col:
+    with tdgather.Collector(path, progress=False, timeout=600, ranks_per_writer=ranks_per_writer) as col:
         for lo in range(0, frames.shape[0], 32):
             batch = frames[lo : lo + 32]
             col.add(f"r{rank}.bin", torch.arange(lo, lo + batch.shape[0]), batch)
@@ -135,6 +137,7 @@ METHODS = {
     "disk": disk,
     "collector_shm": lambda c: collector(c, True),
     "collector_gloo": lambda c: collector(c, False),
+    "collector_writers": lambda c: collector(c, False, ranks_per_writer=1),
     "gather_shm": lambda c: gather(c, True),
     "gather_gloo": lambda c: gather(c, False),
 }

@@ -4,9 +4,10 @@ Every method gets the same rank data: a list of inference batches ``(filenames, 
 frames[B, ...])`` from `benchmarks.workloads` (``frames`` a tensor, or for ``detection`` a dict
 whose ragged leaves are jagged nested tensors ``[B, j, ...]``), and a dict view of them
 ``{filename: [(frame_idx, frame), ...]}`` (built before timing, each frame its own copy: a tensor,
-or a dict of tensors). Each method moves every rank's frames to rank 0; the ones that tests check
-return what rank 0 holds. Packing (building a TensorDict, padding) is inside the timed call, as it
-is for tdgather.
+or a dict of tensors). Each method moves every rank's frames to rank 0 and returns what rank 0
+holds, so that the suite stops its clock before freeing it (freeing 629 MB of received pages costs
+30-90 ms here, and is not part of receiving them). Packing (building a TensorDict, padding) is
+inside the timed call, as it is for tdgather.
 
 - ``raw_p2p``: the physical limit of this transport: each rank sends one pre-sized uint8 buffer
   of its frame bytes with ``send``; rank 0 posts one ``irecv`` per peer into fresh buffers. No packing.
@@ -99,17 +100,19 @@ def _unbind(frames: torch.Tensor | dict) -> list:
     return [{k: rows[j].clone() for k, rows in leaves.items()} for j in range(len(next(iter(leaves.values()))))]
 
 
-def raw_p2p(d: RankData) -> None:
+def raw_p2p(d: RankData) -> list[torch.Tensor] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         bufs = [torch.empty(d.sizes[r], dtype=torch.uint8) for r in range(1, world)]
         works = [dist.irecv(b, src=r) for r, b in zip(range(1, world), bufs, strict=True) if b.numel()]
         for w in works:
             w.wait()
-    elif d.nbytes:
+        return bufs
+    if d.nbytes:
         if not hasattr(d, "_raw"):  # pre-sized once, outside the timing: this is the limit, not a method
             d._raw = torch.empty(d.nbytes, dtype=torch.uint8).fill_(1)
         dist.send(d._raw, dst=0)
+    return None
 
 
 def raw_p2p_warm(d: RankData) -> None:
@@ -148,12 +151,13 @@ def _gathered(d: RankData):
     return tdgather.gather(store)
 
 
-def tdgather_in_hand(d: RankData) -> None:
+def tdgather_in_hand(d: RankData) -> tdgather.Gathered | None:
     """tdgather_store, then every file's Frames built (the result is lazy: this is what access costs)."""
     result = _gathered(d)
     if result is not None:
         for name in result:
             result[name].frames  # noqa: B018 (built on access)
+    return result
 
 
 def tdgather_save(d: RankData) -> None:
@@ -164,8 +168,8 @@ def tdgather_save(d: RankData) -> None:
         d.written.append(tdgather.save(result, os.path.join(d.scratch, f"save-{d.token}-{d.calls}")))
 
 
-def tdgather_dict(d: RankData) -> None:
-    tdgather.gather(d.as_dict, ragged=d.ragged)
+def tdgather_dict(d: RankData) -> tdgather.Gathered | None:
+    return tdgather.gather(d.as_dict, ragged=d.ragged)
 
 
 def tdgather_collector(d: RankData) -> None:
@@ -185,9 +189,10 @@ def gather_object(d: RankData) -> list | None:
     return out
 
 
-def all_gather_object(d: RankData) -> None:
+def all_gather_object(d: RankData) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, d.as_dict)
+    return out
 
 
 def _file_id(name: str) -> int:
@@ -215,16 +220,15 @@ def _rank_tensordict(d: RankData) -> TensorDict:
     return TensorDict(out, batch_size=[])
 
 
-def td_remote(d: RankData) -> None:
+def td_remote(d: RankData) -> list[TensorDict] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
-        for src in range(1, world):
-            TensorDict.from_remote_init(src=src)
-    else:
-        _rank_tensordict(d).init_remote(dst=0)
+        return [TensorDict.from_remote_init(src=src) for src in range(1, world)]
+    _rank_tensordict(d).init_remote(dst=0)
+    return None
 
 
-def td_gather_and_stack(d: RankData) -> None:
+def td_gather_and_stack(d: RankData) -> TensorDict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     _, _, frames = d.batches[0] if d.batches else (None, None, None)
     if rank == 0:
@@ -237,12 +241,13 @@ def td_gather_and_stack(d: RankData) -> None:
             batch_size=[world - 1, n],
         )
         rows.gather_and_stack(dst=0)
-    else:
-        td = TensorDict(
-            {"frames": torch.cat([f for _, _, f in d.batches]), "frame_idx": torch.cat([i for _, i, _ in d.batches])},
-            batch_size=[sum(i.numel() for _, i, _ in d.batches)],
-        )
-        td.gather_and_stack(dst=0)
+        return rows
+    td = TensorDict(
+        {"frames": torch.cat([f for _, _, f in d.batches]), "frame_idx": torch.cat([i for _, i, _ in d.batches])},
+        batch_size=[sum(i.numel() for _, i, _ in d.batches)],
+    )
+    td.gather_and_stack(dst=0)
+    return None
 
 
 def pad_all_gather(d: RankData) -> dict[object, list[torch.Tensor]]:

@@ -5,8 +5,10 @@ store filled before the timing as `tdgather_gather` does) or ``python -m benchma
 300 --world 2`` (every sender streams that many MB of 1 MiB frames to a Collector, as
 `benchmarks.host` does; ``--pace`` seconds between batches of 32 MiB, as an inference loop spaces
 them, so that rank dst keeps up: the ring of shared memory segments is then written again, and a
-sender's ``SegmentWriter.write`` shows what a chunk costs it). ``TDGATHER_SHM=0`` sends every byte
-over gloo; ``TDGATHER_SHM_RING=0`` writes every chunk into a new segment.
+sender's ``SegmentWriter.write`` shows what a chunk costs it; ``--ranks-per-writer 1``, every rank
+writes its own shards). ``TDGATHER_SHM=0`` sends every byte over gloo; ``TDGATHER_SHM_RING=0``
+writes every chunk into a new segment. A gather's result is freed after the clock stops, as
+`benchmarks.suite` does.
 
 For each stage (a library function, wrapped here before the first call): its total time in the
 call, how many times it ran, and when it first started and last ended, in ms from the barrier
@@ -39,12 +41,18 @@ STAGES = {  # module: names (a "Class.method" is wrapped on its class)
         "read_pieces",
         "read_frames",
         "merge",
+        "begin_call",
+        "_post_ready",
+        "joined_chunks",
+        "FrameStore.parts",
+        "ResultMemory.__init__",
         "_Receive._place",
         "_Receive._land_local",
         "_Receive._result",
         "Landing.finish",
     ],
     "tdgather.api.streams": ["pack", "send_frames", "read_frames", "merge", "Destination._spill"],
+    "tdgather.api.collector": ["Collector.add", "Collector.__enter__", "Collector.__exit__"],
     "tdgather.dist.protocol": ["open_segment", "Joiner.join"],
     "tdgather.dist.transport": ["decode_json", "decode_header", "decode_index", "Channel.recv_answer"],
     "tdgather.dist.shm": ["SegmentWriter.write", "SegmentWriter._handed_back", "_hand_back", "_fill"],
@@ -80,21 +88,22 @@ def _instrument() -> None:
 def _call(kind: str, arg: str, scratch: str, number: int, state: dict, pace: float = 0.0) -> None:
     rank = dist.get_rank()
     if kind == "gather":
-        tdgather.gather(state["store"])
+        state["held"] = tdgather.gather(state["store"])  # freed after the clock stops, as the suite does
         return
     frames = state["data"].view(-1, 1 << 20)
-    with tdgather.Collector(os.path.join(scratch, f"c{number}"), progress=False, timeout=600) as col:
+    path = os.path.join(scratch, f"c{number}")
+    with tdgather.Collector(path, progress=False, timeout=600, ranks_per_writer=state["writers"]) as col:
         for lo in range(0, frames.shape[0], 32):
             batch = frames[lo : lo + 32]
             col.add(f"r{rank}.bin", torch.arange(lo, lo + batch.shape[0]), batch)
             time.sleep(pace)
 
 
-def _rank(kind: str, arg: str, repeats: int, scratch: str, pace: float = 0.0) -> dict:
+def _rank(kind: str, arg: str, repeats: int, scratch: str, pace: float = 0.0, writers: int | None = None) -> dict:
     from benchmarks import workloads
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    state: dict = {}
+    state: dict = {"writers": writers}
     if kind == "gather":
         state["store"] = tdgather.FrameStore(copy=False)
         for names, idx, frames in workloads.batches(arg, rank, world):
@@ -110,6 +119,7 @@ def _rank(kind: str, arg: str, repeats: int, scratch: str, pace: float = 0.0) ->
         t0 = time.perf_counter()
         _call(kind, arg, scratch, k, state, pace)
         total = time.perf_counter() - t0
+        state.pop("held", None)
         dist.barrier()
         if rank == 0:
             for entry in os.scandir(scratch):
@@ -138,13 +148,17 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--pace", type=float, default=0.0, help="collector: seconds between batches of 32 MiB")
+    p.add_argument("--ranks-per-writer", type=int, help="collector: one writer per this many ranks (1: every rank)")
     args = p.parse_args()
     scratch = tempfile.mkdtemp(prefix="tdgather-stages-")
     try:
-        results = run_local_world(_rank, args.world, args.kind, args.arg, args.repeats, scratch, args.pace, timeout=900)
+        results = run_local_world(
+            _rank, args.world, args.kind, args.arg, args.repeats, scratch, args.pace, args.ranks_per_writer, timeout=900
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     pace = f", {args.pace:g} s between batches" if args.pace else ""
+    pace += f", ranks_per_writer={args.ranks_per_writer}" if args.ranks_per_writer else ""
     print(f"# {args.kind} {args.arg}, {args.world} ranks{pace}, median of {args.repeats}; ms from the barrier")
     for rank, stages in enumerate(results):
         print(f"rank {rank}")
