@@ -8,13 +8,25 @@ __all__ = ["PeakSampler", "resident"]
 
 
 def resident() -> dict[str, int]:
-    """Resident bytes: ``RssAnon`` (data) and ``RssFile`` (file-backed: library code paged in)."""
+    """Resident bytes: ``RssAnon`` (data), ``RssFile`` (file-backed: library code paged in), and ``Held``.
+
+    ``Held`` is ``RssAnon`` plus the host's shared memory (``Shmem`` of /proc/meminfo): a `gather`
+    result placed in a memfd, or a Collector's segments, are shared memory that this process may not
+    have touched yet (a sender wrote it), so its own ``RssShmem`` would miss them. On a host running
+    only the benchmark, the change in ``Shmem`` is the job's.
+    """
     out = {"RssAnon": 0, "RssFile": 0}
     with open("/proc/self/status") as fh:
         for line in fh:
             key = line.split(":", 1)[0]
             if key in out:
                 out[key] = int(line.split()[1]) * 1024
+    shmem = 0
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("Shmem:"):
+                shmem = int(line.split()[1]) * 1024
+    out["Held"] = out["RssAnon"] + shmem
     return out
 
 

@@ -81,7 +81,8 @@ def write_report(
         " MB/s: bytes rank 0 received (other ranks' frames) per second",
         "- vs raw: raw_p2p seconds / method seconds (1.0 = the transport's limit); vs gather_object:"
         " gather_object seconds / method seconds (the speed-up)",
-        "- memory: rank 0's peak anonymous resident memory during the first call in a fresh process, above its"
+        "- memory: rank 0's peak anonymous resident memory plus the host's shared memory (a result placed in a"
+        " memfd, Collector segments) during the first call in a fresh process, above its"
         " value before it, over the bytes received (the result the method returns is included);"
         f" the Collector runs with a {budget_mib} MiB budget and writes to disk (compare with disk_raw)",
         "- disk: what a writing method wrote (tdgather_save, tdgather_collector, disk_raw) is deleted after each"

@@ -3,9 +3,11 @@
 Every (world size, workload, method) runs in a fresh local gloo world (its own processes).
 Each rank generates its share of the workload (untimed), calls the method once to warm up, then
 ``--repeats`` times between barriers. The figure is rank 0's wall time from the barrier to the
-method's return on rank 0 (the moment rank 0 holds everything), median of the repeats. Rank 0
-samples its anonymous resident memory every 2 ms; the peak above the value before each call,
-over the bytes it received, is the memory multiple.
+method's return on rank 0 (the moment rank 0 holds everything), median of the repeats; what the
+method returns is freed after the clock stops. Rank 0 samples its anonymous resident memory plus
+the host's shared memory (`benchmarks.memory.resident`'s ``Held``: a result placed in a memfd
+counts) every 2 ms; the peak above the value before each call, over the bytes it received, is the
+memory multiple.
 
 Run ``python -m benchmarks.suite --help``.
 """
@@ -55,7 +57,7 @@ def bench_rank(
     if sampler:
         sampler.reset()
     held = fn(data)  # the warm-up: the first call in a fresh process, so its memory is all new (none reused)
-    peaks = [sampler.close()["RssAnon"]] if sampler else []
+    peaks = [sampler.close()["Held"]] if sampler else []
     del held
     _remove_written(data)
     times, closes = [], []
