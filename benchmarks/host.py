@@ -13,10 +13,14 @@ senders' bytes. Methods:
 - ``shm_map``: the same, rank 0 maps the file: bytes in hand, no copy;
 - ``disk``: each sender writes its own file under ``--dir`` and fsyncs it (the disk's limit for
   a Collector, which must write every byte once);
-- ``collector_shm``, ``collector_gloo``: `tdgather.Collector` to ``--dir`` (frames of 1 MiB, the
+- ``collector_shm``, ``collector_gloo``: `tdgather.Collector` to ``--dir`` (frames of 1 MiB in
+  batches of 32, each batch a tensor of its own as a model's output is, made before the timing; the
   default budget), through shared memory segments and with ``TDGATHER_SHM=0``: open to close on rank 0;
 - ``collector_writers``: the same with ``ranks_per_writer=1``: every rank writes its own shards into
   the one dataset, rank 0 only lists them at close (what ``disk`` does, plus the index);
+- ``collector_shm_nocopy``, ``collector_writers_nocopy``: ``collector_shm`` and ``collector_writers``
+  with ``copy=False`` (`add` keeps the batch it is given instead of copying it: right for a loop
+  whose every batch is a new tensor);
 - ``gather_shm``, ``gather_gloo``: `tdgather.gather` of the same frames (a filled `FrameStore`, one
   file a sender), the senders writing into rank 0's result themselves, and with ``TDGATHER_SHM=0``.
 """
@@ -104,16 +108,18 @@ def disk(ctx: dict) -> None:
     _wait_all(world)
 
 
-def collector(ctx: dict, shared: bool, ranks_per_writer: int | None = None) -> None:
+def collector(ctx: dict, shared: bool, ranks_per_writer: int | None = None, copy: bool = True) -> None:
     rank = dist.get_rank()
     os.environ["TDGATHER_SHM"] = "1" if shared else "0"
     ctx["calls"] = ctx.get("calls", 0) + 1
     path = os.path.join(ctx["dir"], f"col-{ctx['calls']}")
-    frames = ctx["data"].view(-1, FRAME) if rank else ctx["data"][:0].view(0, FRAME)
-    with tdgather.Collector(path, progress=False, timeout=600, ranks_per_writer=ranks_per_writer) as col:
-        for lo in range(0, frames.shape[0], 32):
-            batch = frames[lo : lo + 32]
+    if "batches" not in ctx:  # a model's outputs: a new tensor a batch, made before the timing
+        ctx["batches"] = [b.clone() for b in ctx["data"].view(-1, FRAME).split(32)] if rank else []
+    with tdgather.Collector(path, progress=False, timeout=600, ranks_per_writer=ranks_per_writer, copy=copy) as col:
+        lo = 0
+        for batch in ctx["batches"]:
             col.add(f"r{rank}.bin", torch.arange(lo, lo + batch.shape[0]), batch)
+            lo += batch.shape[0]
     if rank == 0 and shared:
         ctx["shared"] = col.summary.shared_chunks
 
@@ -138,6 +144,8 @@ METHODS = {
     "collector_shm": lambda c: collector(c, True),
     "collector_gloo": lambda c: collector(c, False),
     "collector_writers": lambda c: collector(c, False, ranks_per_writer=1),
+    "collector_shm_nocopy": lambda c: collector(c, True, copy=False),
+    "collector_writers_nocopy": lambda c: collector(c, False, ranks_per_writer=1, copy=False),
     "gather_shm": lambda c: gather(c, True),
     "gather_gloo": lambda c: gather(c, False),
 }
