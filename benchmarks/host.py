@@ -175,14 +175,14 @@ def _rank(mb: int, methods: list[str], repeats: int, scratch: str) -> dict | Non
     return {"seconds": out, "bytes": n * (world - 1), "shared": ctx.get("shared")} if rank == 0 else None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--mb", type=int, default=300, help="MB each sender holds")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--dir", default=None, help="where disk and collector write (default: a temporary directory)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{args.mb} MB per sender, median of {args.repeats} after a warm-up"

@@ -189,3 +189,19 @@ def test_stages_smoke(tmp_path):
         assert n == 1 and first == 0 and last == total > 0
     assert dst["writer.DatasetWriter._write_shard"][1] >= 1  # the dataset was written on rank 0
     assert any(label.startswith("streams.send_frames") for label in sender)  # and sent by rank 1
+
+
+@pytest.mark.world
+def test_host_smoke(capsys):
+    """benchmarks.host runs every method (the host's limits, the Collector's and gather's paths) end to end."""
+    from benchmarks.host import METHODS
+    from benchmarks.host import main as host
+
+    host(["--world", "2", "--mb", "2", "--repeats", "1"])
+    out = capsys.readouterr().out
+    rows = {c[0]: c[1] for c in (line.strip("| ").split(" | ") for line in out.splitlines()) if len(c) == 2}
+    assert set(METHODS) <= set(rows), rows
+    for method in METHODS:
+        seconds, _, _ = (float(x) for x in rows[method].split(", "))
+        assert seconds > 0, (method, rows[method])
+    assert "chunks through shared memory (collector, last call): W=2: " in out
