@@ -344,6 +344,32 @@ def case_stream_vs_gather(out: str, budget: int, chunk: int, shape: tuple = (3, 
     }
 
 
+def case_zero_byte_leaf(out: str) -> dict | None:
+    """A leaf of zero bytes a frame (``[0, 3]``) beside a 16 KiB one, streamed: the large rows are
+    written by reference (`tdgather.core.merge.Rows`), the empty leaf with them; copies compared."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def batch(b: int) -> tuple[list[str], torch.Tensor, dict]:
+        idx = torch.arange(8) * world + rank + 8 * world * b  # the ranks' frames interleaved
+        x = torch.stack([torch.full((64, 64), float(i)) for i in idx.tolist()])
+        return ["v.mp4"] * 8, idx, {"x": x, "empty": torch.zeros(8, 0, 3, dtype=torch.float16)}
+
+    with tdgather.Collector(
+        out, memory_budget=1 << 20, chunk_bytes=64 << 10, duplicates="exact", timeout=60, progress=False
+    ) as col:
+        for b in range(6):
+            col.add(*batch(b))
+        col.add(*batch(0))  # every frame of the first batch again: copies, compared bit for bit
+    if rank != 0:
+        return None
+    got = tdgather.open(out)["v.mp4"]
+    n = 6 * 8 * world
+    assert got.frame_idx.tolist() == list(range(n))
+    assert got.frames["empty"].shape == (n, 0, 3) and got.frames["empty"].dtype == torch.float16
+    assert torch.equal(got.frames["x"], torch.arange(n, dtype=torch.float32).view(n, 1, 1).expand(n, 64, 64))
+    return {"shards": col.summary.shards, "dups": col.summary.duplicates.exact}
+
+
 class SlowWriter(DatasetWriter):
     """A sink that takes 0.3 s per write: rank 0 writes slowly."""
 

@@ -33,6 +33,13 @@ def test_streaming_matches_gather(tmp_path, world, shape, budget, chunk):
     assert sum(summary["per_rank"].values()) == summary["frames"] + summary["dups"]
 
 
+def test_a_zero_byte_leaf_beside_large_rows(tmp_path):
+    """A frame ``{"x": [64, 64], "empty": [0, 3]}``: written by reference, the empty leaf has no bytes (it raised
+    TypeError in the writer, and the run saved nothing)."""
+    summary = run_local_world(cases.case_zero_byte_leaf, 2, str(tmp_path / "ds"), timeout=180)[0]
+    assert summary["shards"] > 1 and summary["dups"] == 16
+
+
 def test_back_pressure_bounds_the_senders_queue(tmp_path):
     out = run_local_world(cases.case_backpressure, 2, str(tmp_path / "ds"), timeout=180)
     assert out[1]["peak"] <= 2  # max_pending

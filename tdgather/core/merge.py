@@ -75,16 +75,16 @@ class Rows:
         return out
 
     def byte_views(self) -> list[memoryview]:
-        """The rows' bytes in order: one view per run of consecutive rows of one source."""
+        """The rows' bytes in order: one view per run of consecutive rows of one source (none for empty rows)."""
         n = len(self)
-        if not n:
+        row_bytes = self.dtype.itemsize * torch.Size(self.frame_shape).numel()
+        if not n or not row_bytes:  # a leaf of zero bytes a row (``[0, 3]`` a frame) has no bytes to write
             return []
         src, row = self.src[self.lo : self.hi], self.row[self.lo : self.hi]
         head = torch.ones(n, dtype=torch.bool)
         head[1:] = (src[1:] != src[:-1]) | (row[1:] != row[:-1] + 1)
         heads = head.nonzero().flatten()
         lengths = torch.diff(heads, append=torch.tensor([n])).tolist()
-        row_bytes = self.dtype.itemsize * torch.Size(self.frame_shape).numel()
         data = [memoryview(s.view(-1).view(torch.uint8).numpy()) if s.numel() else None for s in self.sources]
         return [
             data[c][r * row_bytes : (r + k) * row_bytes]
