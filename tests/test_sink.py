@@ -14,6 +14,7 @@ from tdgather.core.duplicates import DuplicateCounts
 from tdgather.core.runs import add_runs, in_runs
 from tdgather.errors import OutputError
 from tdgather.format.names import INCOMPLETE_NAME, INDEX_NAME
+from tdgather.storage.store import LocalStore
 from tdgather.storage.writer import DatasetWriter
 
 from .cases import MIXED, DepthMask, assert_same_value, bits, value
@@ -325,3 +326,32 @@ def test_a_shard_that_fails_to_become_durable_fails_the_commit_and_is_not_listed
     assert list(listing["shards"]) == ["shard-00000.safetensors"] and list(listing["files"]) == ["a.mp4"]
     assert sorted(p.name for p in partial.iterdir()) == ["shard-00000.safetensors", INCOMPLETE_NAME]
     assert tdgather.open(partial, incomplete=True)["a.mp4"].frames.shape == (2, 3)
+
+
+def test_listing_a_directory_while_another_writer_renames_its_files(tmp_path):
+    """Writers share one directory: a temporary file put in place (or removed) while another writer lists it
+    is left out, not a FileNotFoundError (benchmarks.combine opening a second writer failed so in 1 of 3 full runs)."""
+    import threading
+
+    store, stop = LocalStore(tmp_path), threading.Event()
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            tmp = tmp_path / f".shard-00000-{i % 50:05d}.safetensors.tmp"
+            tmp.write_bytes(b"x" * (i % 7))
+            if i % 2:
+                os.replace(tmp, tmp_path / f"shard-00000-{i % 50:05d}.safetensors")
+            else:
+                tmp.unlink()
+            i += 1
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        listed = [store.list() for _ in range(2000)]  # about half of them met a vanished file before the fix
+    finally:
+        stop.set()
+        thread.join()
+    assert any(len(names) > 1 for names in listed)
+    assert all(size < 7 for names in listed for size in names.values())

@@ -106,13 +106,20 @@ class LocalStore:
         return str(self.root / name)
 
     def list(self) -> dict[str, int]:
-        """The regular files directly in the directory, with their sizes ({} when it is not one)."""
+        """The regular files directly in the directory, with their sizes ({} when it is not one).
+
+        A file renamed or removed while the directory is read (another writer's temporary file, put
+        in place under its final name) is left out, as if it had gone a moment earlier.
+        """
         if not self.root.is_dir():
             return {}
         out = {}
         for entry in os.scandir(self.root):
-            if entry.is_file(follow_symlinks=False):
-                out[entry.name] = entry.stat(follow_symlinks=False).st_size
+            try:
+                if entry.is_file(follow_symlinks=False):
+                    out[entry.name] = entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                continue
         return out
 
     def size(self, name: str) -> int | None:
