@@ -418,9 +418,9 @@ class ValuePlaces:
         return places[a - first : b - first]
 
 
-# below this average batch size, chunks are joined and scattered together (a scatter costs ~20 us of
-# Python a chunk; joining costs a copy into new memory): 64 KiB, as 1 MiB cost mixed 0.060 -> 0.050 s
-# and skewed 0.16-0.24 -> 0.14 s at 2 ranks (`benchmarks.suite`), tiny and detection unchanged
+# below this average batch size, chunks are joined and scattered together (a scatter a chunk costs
+# Python calls; joining costs a copy into new memory): 64 KiB; at 1 MiB, mixed took 0.060-0.064 s
+# (now 0.047-0.054) and skewed 0.16-0.24 s (now 0.14) at 2 ranks (`benchmarks.suite`); tiny, detection unchanged
 _SMALL_CHUNK = 64 << 10
 _JOINED = 16 << 20  # in joined chunks of about this many bytes
 
