@@ -331,7 +331,7 @@ def test_a_shard_that_fails_to_become_durable_fails_the_commit_and_is_not_listed
 
 def test_listing_a_directory_while_another_writer_renames_its_files(tmp_path):
     """Writers share one directory: a temporary file put in place (or removed) while another writer lists it
-    is left out, not a FileNotFoundError (benchmarks.combine opening a second writer failed so in 1 of 3 full runs)."""
+    is left out, not a FileNotFoundError (benchmarks.combine opening a second writer failed so in 1 of 5 full runs)."""
     import threading
 
     store, stop = LocalStore(tmp_path), threading.Event()

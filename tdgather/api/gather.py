@@ -42,14 +42,11 @@ from ..core.gcpause import collection_paused
 from ..core.merge import merge
 from ..core.plan import Group, Mismatches, Part, Placement, joined_chunks, keep_first_layouts, place, scatter_chunks
 from ..core.promote import unify
-from ..core.ragged import values_of
-from ..core.rows import run_start, scatter_rows
 from ..core.store import FrameStore, as_store
 from ..dist.direct import ResultMemory, Target, fixed_size, result_nbytes
 from ..dist.pack import pack
 from ..dist.protocol import (
     Joiner,
-    as_bytes,
     end_stream,
     expect_done,
     read_frames,
@@ -70,6 +67,7 @@ from ..dist.transport import (
 )
 from ..dist.wire import DataHeader, Kind, error_header
 from ..errors import FrameConflictError, PeerLostError, ProtocolError, TdgatherError
+from .landing import Landing, mark_landed
 
 __all__ = ["GatherStats", "Gathered", "gather"]
 
@@ -449,7 +447,7 @@ class _Receive:
         expect_done(ch, ch.recv(), header.num_frames)  # its rows are all in place
         for part in self.parts[peer]:
             k, dest, _ = self.dest[(peer, id(part))]
-            _mark(self.landed[k], dest)
+            mark_landed(self.landed[k], dest)
         self.wrote.add(peer)
         return True
 
@@ -521,133 +519,3 @@ class _Receive:
             written_in_place=len(self.wrote),
         )
         return Gathered(groups, stats)
-
-
-class Landing:
-    """Where one peer's pieces land: straight into place, or into two staging buffers and scattered.
-
-    Pieces that come while rank dst is still placing (every frame index is in) are received into
-    new buffers, up to `EARLY_BYTES`, and scattered once the placement is known: the transfer
-    overlaps the placement instead of waiting for it.
-    """
-
-    EARLY_BYTES = 32 << 20
-
-    def __init__(self, receive: _Receive, peer: int, header: DataHeader) -> None:
-        self.receive, self.peer = receive, peer
-        self.parts = receive.parts[peer]
-        # the rows of a group count as landed with their last leaf that has pieces
-        self.last = [max((j for j, c in enumerate(g.pieces) if c), default=-1) for g in header.groups]
-        self.staging = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
-        self.turn = 0
-        self.early: list[tuple[int, int, int, int, torch.Tensor]] = []
-        self.early_bytes = 0
-        self.pieces, self.early_pieces = 0, 0
-        self.started = False
-        self.ends: dict[int, torch.Tensor] = {}  # group -> where each frame's rows end in its last leaf (ragged)
-
-    def _start(self) -> None:
-        """Once placed: groups with no pieces (no tensor bytes) have landed with their data message."""
-        self.started = True
-        for g, last in enumerate(self.last):
-            if last < 0 and not self.receive.discard:
-                k, dest, _ = self.receive.dest[(self.peer, id(self.parts[g]))]
-                self.receive.landed[k][dest] = True
-
-    def finish(self, last_whole: bool = True) -> None:
-        """After the last piece: what came early is scattered, now that the placement is known.
-
-        ``last_whole=False`` (the stream failed): the last piece asked for may not have arrived whole.
-        """
-        self.receive.placed.wait()
-        if not self.started:
-            self._start()
-        if not last_whole and self.early:
-            self.early.pop()
-        with self.receive.counting:
-            self.receive.pieces[0] += self.pieces
-            self.receive.pieces[1] += self.early_pieces
-        if not self.receive.discard:
-            for g, j, first, rows, into in self.early:
-                self._land_rows(g, j, first, rows, into)
-        self.early = []
-
-    def _land_rows(self, g: int, j: int, first: int, rows: int, into: torch.Tensor) -> None:
-        """Scatter rows received into ``into`` to their places."""
-        leaf = self.parts[g].layout.leaves[j]
-        k, dest, leaf_dest = self.receive.dest[(self.peer, id(self.parts[g]))]
-        d = leaf_dest[j][first : first + rows]
-        scatter_rows(values_of(self.receive.buffers[k][j]), d, into.view(leaf.dtype).view(rows, *leaf.shape))
-        _mark(self.receive.landed[k], self._done(g, j, first, rows, dest))
-
-    def _done(self, g: int, j: int, first: int, rows: int, dest: torch.Tensor) -> torch.Tensor | None:
-        """The places of the frames whose last bytes are rows ``first .. first + rows - 1`` of leaf ``j``.
-
-        A frame has landed with its last leaf that has pieces; of a ragged leaf, ``rows`` are
-        value rows, and a frame is in once its values have all come (its end is inside the piece).
-        """
-        if j != self.last[g]:
-            return None
-        part = self.parts[g]
-        if not part.layout.leaves[j].ragged:
-            return dest[first : first + rows]
-        if g not in self.ends:
-            self.ends[g] = torch.cumsum(part.lengths[j], 0)
-        ends = self.ends[g]
-        lo = int(torch.searchsorted(ends, first, right=True)) if first else 0
-        return dest[lo : int(torch.searchsorted(ends, first + rows, right=True))]
-
-    def land(self, g: int, j: int, first: int, rows: int) -> tuple[torch.Tensor, Any]:
-        leaf = self.parts[g].layout.leaves[j]
-        nbytes = rows * leaf.row_nbytes
-        self.pieces += 1
-        if not self.started:
-            if not self.receive.placed.is_set() and self.early_bytes + nbytes <= self.EARLY_BYTES:
-                into = torch.empty(nbytes, dtype=torch.uint8)
-                self.early.append((g, j, first, rows, into))
-                self.early_bytes += nbytes
-                self.early_pieces += 1
-                return into, None
-            self.receive.placed.wait()
-            self._start()
-            if self.early and not self.receive.discard:
-                into, then = self._land_now(g, j, first, rows, leaf, nbytes)
-                early, self.early = self.early, []
-
-                def both() -> None:
-                    for args in early:
-                        self._land_rows(*args)
-                    if then is not None:
-                        then()
-
-                return into, both
-            self.early = []
-        return self._land_now(g, j, first, rows, leaf, nbytes)
-
-    def _land_now(self, g: int, j: int, first: int, rows: int, leaf: Any, nbytes: int) -> tuple[torch.Tensor, Any]:
-        if not self.receive.discard:
-            k, dest, leaf_dest = self.receive.dest[(self.peer, id(self.parts[g]))]
-            d = leaf_dest[j][first : first + rows]
-            buf, landed = values_of(self.receive.buffers[k][j]), self.receive.landed[k]
-            mark = self._done(g, j, first, rows, dest)
-            start = run_start(d)
-            if start is not None:  # one run: straight into place
-                return as_bytes(buf[start : start + rows]), lambda: _mark(landed, mark)
-        i = self.turn
-        self.turn ^= 1
-        if self.staging[i].numel() < nbytes:
-            self.staging[i] = torch.empty(nbytes, dtype=torch.uint8)
-        into = self.staging[i][:nbytes]
-        if self.receive.discard:
-            return into, None
-
-        def scatter() -> None:
-            scatter_rows(buf, d, into.view(leaf.dtype).view(rows, *leaf.shape))
-            _mark(landed, mark)
-
-        return into, scatter
-
-
-def _mark(landed: torch.Tensor, rows: torch.Tensor | None) -> None:
-    if rows is not None:
-        landed[rows] = True

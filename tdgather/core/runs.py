@@ -42,7 +42,7 @@ def add_runs(runs: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _add_few(runs: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor:
-    pairs = sorted([*([] if runs is None else runs.tolist()), *([int(i), int(i)] for i in set(idx.tolist()))])
+    pairs = sorted([*([] if runs is None else runs.tolist()), *([i, i] for i in set(idx.tolist()))])
     out: list[list[int]] = []
     for first, last in pairs:
         if out and first <= out[-1][1] + 1:  # overlaps or touches the run before: one run
