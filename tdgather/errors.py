@@ -19,9 +19,11 @@ __all__ = [
     "PeerLostError",
     "ProtocolError",
     "ShapeMismatchError",
+    "StalledError",
     "TdgatherError",
     "Terminated",
     "UnsupportedValueError",
+    "rank_name",
 ]
 
 
@@ -59,19 +61,35 @@ class ProtocolError(TdgatherError):
         self.field = field
 
 
+def rank_name(rank: int, global_rank: int | None = None) -> str:
+    """A rank as messages name it: the global rank, with the group rank beside it where they differ.
+
+    >>> rank_name(1), rank_name(1, 1), rank_name(1, 3)
+    ('rank 1', 'rank 1', 'rank 3 (group rank 1)')
+    """
+    if global_rank is None or global_rank == rank:
+        return f"rank {rank}"
+    return f"rank {global_rank} (group rank {rank})"
+
+
 class PeerError(TdgatherError):
     """A peer reported a failure (an ``error`` message), or rank ``dst`` did.
+
+    The message names the global rank (as torchrun's ``[rankN]`` log prefixes do), and the rank
+    within ``group=`` beside it where the two differ: ``rank 3 (group rank 1) failed with ...``.
 
     Attributes:
         rank: the group rank that failed.
         error_type: the name of the exception type on that rank.
         error_message: its message.
+        global_rank: its global rank (``torch.distributed.get_rank()`` there); ``rank`` where not known.
     """
 
-    def __init__(self, rank: int, error_type: str, error_message: str) -> None:
+    def __init__(self, rank: int, error_type: str, error_message: str, global_rank: int | None = None) -> None:
         hint = "" if error_message.endswith(self.hint) else self.hint
-        super().__init__(f"rank {rank} failed with {error_type}: {error_message}{hint}")
+        super().__init__(f"{rank_name(rank, global_rank)} failed with {error_type}: {error_message}{hint}")
         self.rank = rank
+        self.global_rank = rank if global_rank is None else global_rank
         self.error_type = error_type
         self.error_message = error_message
 
@@ -82,6 +100,21 @@ class PeerLostError(PeerError):
     """A peer stopped answering (timeout) or its connection closed (killed)."""
 
     hint = ""  # the cause carries its own advice
+
+
+class StalledError(TdgatherError):
+    """A rank's loop made no call into tdgather for the timeout while its process lived (`tdgather.api.liveness`).
+
+    Raised on that rank (if its loop ever comes back) and sent to rank dst, so that every rank
+    raises naming it.
+
+    Attributes:
+        rank: the rank whose loop is stuck.
+    """
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"rank {rank} stalled: {message}")
+        self.rank = rank
 
 
 class FrameConflictError(TdgatherError, ValueError):

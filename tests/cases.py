@@ -431,6 +431,32 @@ def case_memory(out: str, budget: int, per_sender_mb: int, ragged: bool = False)
     return {"anon": peak["RssAnon"], "file": peak["RssFile"], "bytes": col.summary.bytes, "shards": col.summary.shards}
 
 
+def case_small_frames(out: str, budget: int, chunk: int, shard_bytes: int, videos: int = 500) -> dict | None:
+    """40 frames of 32 bytes for each of ``videos`` videos, over a shuffled ``DistributedSampler``: every chunk
+    holds frames of most videos. Rank 0 checks every frame read back and returns what was written."""
+    from torch.utils.data import DistributedSampler
+
+    rank, per_video = dist.get_rank(), 40
+    mine = torch.tensor(list(DistributedSampler(range(videos * per_video), shuffle=True, seed=0)))
+    names = [f"video_{v:04d}.mp4" for v in range(videos)]
+    kw = {"memory_budget": budget, "chunk_bytes": chunk, "max_shard_bytes": shard_bytes}
+    with tdgather.Collector(out, timeout=120, progress=False, **kw) as col:
+        for i in range(0, mine.numel(), 32):
+            pos = mine[i : i + 32]
+            col.add([names[v] for v in (pos // per_video).tolist()], pos % per_video, pos[:, None] + torch.arange(8.0))
+    if rank != 0:
+        return None
+    ds = tdgather.open(out)
+    assert sorted(ds) == names
+    for v in range(0, videos, 7):
+        got = ds[names[v]]
+        assert got.frame_idx.tolist() == list(range(per_video))
+        assert torch.equal(got.frames, (v * per_video + torch.arange(per_video))[:, None] + torch.arange(8.0))
+    s = col.summary
+    segments = max(len(e["segments"]) for e in ds.index["files"].values())
+    return {"shards": s.shards, "segments": segments, "bytes": s.bytes, "frames": s.frames}
+
+
 def case_stream_error(out: str, failing_rank: int) -> dict:
     """failing_rank raises inside the with block after sending several chunks."""
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -72,3 +72,30 @@ def case_collector_dst(out: str, how: dict) -> dict:
         return col.summary is not None
 
     return _outcome(call)
+
+
+def _failure(fn) -> dict:
+    try:
+        fn()
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}
+    return {}
+
+
+def case_a_failure_in_a_subgroup(out: str) -> dict:
+    """Global ranks 0 and 3 in their own group; global rank 3 fails in gather, then in a Collector: how each says so."""
+    rank = dist.get_rank()
+    group = dist.new_group([0, 3], backend="gloo")
+    if rank not in (0, 3):
+        return {"member": False}
+    dist.barrier(group=group)  # connected on both before rank 3 fails (see _subgroup)
+    value = torch.ones(1, dtype=torch.complex128 if rank == 3 else torch.float32)  # refused on rank 3
+
+    def collect() -> None:
+        with tdgather.Collector(out, group=group, timeout=60, progress=False) as col:
+            col.add([f"from_{rank}.mp4"], [0], torch.ones(1, 2))
+            if rank == 3:
+                raise RuntimeError("boom on rank 3")
+
+    failed = _failure(lambda: tdgather.gather({"a.mp4": (rank, value)}, group=group, timeout=60))
+    return {"member": True, "gather": failed, "collect": _failure(collect)}

@@ -7,10 +7,12 @@ message, and wall-clock times, so the tests can bound the time to error).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import signal
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -142,6 +144,47 @@ def case_stream_fault(out: str, how: str, k: int, tmp: str, timeout: float, ragg
             os.kill(_read_stamp(tmp, "fault")["pid"], signal.SIGKILL)  # what torchrun would do
         return _error(e, seen=seen)
     return {"type": None}
+
+
+# ---- row 22: a rank's loop hangs while its process lives; slow loops that progress -----------------
+
+
+def _hang_forever() -> None:
+    """What a deadlocked DataLoader worker or a stuck read looks like: the thread blocks, the process lives."""
+    threading.Event().wait()
+
+
+def case_hung_loop(out: str, hung: int, tmp: str, timeout: float) -> dict | None:
+    """Rank ``hung`` blocks for ever in its third batch; every other rank must raise, naming it.
+
+    The others finish their loops and wait in close (rank 0 too, unless it is the hung one). The
+    first rank to raise SIGKILLs the hung one, as torchrun would once a rank exits with an error.
+    """
+    rank = dist.get_rank()
+    try:
+        with tdgather.Collector(out, chunk_bytes=1, timeout=timeout, progress=False) as col:
+            for b in range(BATCHES[rank]):
+                if rank == hung and b == 2:
+                    _stamp(tmp, "fault")
+                    _hang_forever()
+                col.add(*batch(rank, b))
+    except Exception as e:
+        seen = time.time()
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            os.kill(_read_stamp(tmp, "fault")["pid"], signal.SIGKILL)
+        return _error(e, seen=seen)
+    return {"type": None}
+
+
+def case_slow_loop(out: str, timeout: float, step: float) -> dict | None:
+    """Every batch of rank 1 takes ``step`` seconds (under the timeout), far longer in all than the timeout."""
+    rank = dist.get_rank()
+    with tdgather.Collector(out, timeout=timeout, progress=False) as col:
+        for b in range(BATCHES[rank]):
+            if rank == 1:
+                time.sleep(step)  # a slow batch: no call into tdgather meanwhile
+            col.add(*batch(rank, b))
+    return {"frames": col.summary.frames if col.summary is not None else None}
 
 
 # ---- rows 1-3 for gather(): a rank fails before or while sending --------------------------------
@@ -441,3 +484,30 @@ def case_write_and_die(target: str, event: str, count: int) -> dict:
     finally:
         os.fsync, os.replace = real_fsync, real_replace
     return {"events": seen["n"]}
+
+
+# ---- row 33: rank dst SIGKILLed hours into a job with small outputs --------------------------------
+
+
+def case_small_outputs_then_dst_killed(out: str, tmp: str, commit_every: float) -> dict | None:
+    """2 ranks add 1 KB frames every 50 ms for 6 s; rank 0 is SIGKILLed at 5 s. Each rank logs its adds."""
+    rank = dist.get_rank()
+    added, log = 0, []
+    err = os.open(Path(tmp, f"rank{rank}.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(err, 2)  # stderr is a file, as in a SLURM or Kubernetes job's log
+    try:
+        with tdgather.Collector(out, commit_every=commit_every, timeout=30) as col:  # progress: log lines
+            for b in range(120):
+                n = 4
+                col.add([f"r{rank}.mp4"] * n, list(range(added, added + n)), torch.full((n, 256), float(b)))
+                added += n
+                log.append([time.time(), added])
+                if rank == 0 and b == 100:
+                    received = col.status().frames_received
+                    Path(tmp, "rank0.json").write_text(json.dumps({"received": received, "log": log}))
+                    _stamp(tmp, "fault")
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(0.05)
+    except tdgather.TdgatherError as e:
+        return _error(e, log=log)
+    return {"type": None}

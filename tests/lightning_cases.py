@@ -10,6 +10,8 @@ Cases:
         7 samples without fields (fallback keys: ``dataloader_2``, the sample indexes).
     ``spawn``: strategy ``ddp_spawn``, those 7 samples, ``keys=`` a function, plain path ``OUT/preds``.
     ``fail``: strategy ``ddp``, 12 samples, rank 1 raises in its second ``predict_step``; ``return_predictions=True``.
+    ``shuffled``: strategy ``ddp``, 23 one-frame samples, ``shuffle=True`` and no common seed (each rank seeds
+        its own): the ranks' shares overlap, so some frames are predicted twice and others never.
 
 Every rank writes ``OUT/rank<r>.json``: ``{"rank", "error", "message"}`` (``error`` null when it returned).
 """
@@ -17,6 +19,7 @@ Every rank writes ``OUT/rank<r>.json``: ``{"rank", "error", "message"}`` (``erro
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -74,6 +77,11 @@ def loaders(case: str) -> list[DataLoader]:
         sets = [samples(9, fields=True, seed=1), samples(3, fields=True, seed=2), samples(7, fields=False, seed=3)]
     elif case == "spawn":
         sets = [samples(7, fields=False, seed=3)]
+    elif case == "shuffled":
+        xs = samples(23, fields=False, seed=5)
+        images = [{"filename": f"img_{i:02d}.jpg", "frame_idx": 0, "x": x} for i, x in enumerate(xs)]
+        torch.manual_seed(100 + int(os.environ.get("LOCAL_RANK", "0")))  # no seed_everything: each rank its own
+        return [DataLoader(images, batch_size=4, shuffle=True)]
     else:
         sets = [samples(12, fields=True, seed=4)]
     return [DataLoader(s, batch_size=2) for s in sets]

@@ -117,8 +117,10 @@ def case_uneven_finish(how: str, busy: str, seconds: float, timeout: float, out:
     if how == "collector":
         with tdgather.Collector(out, timeout=timeout, progress=False) as col:
             col.update(frames)
-            if slow:
-                time.sleep(seconds)  # a long inference tail
+            if slow:  # a long inference tail: slow batches, each under the timeout (the loop progresses)
+                for _ in range(round(seconds / (timeout / 2))):
+                    time.sleep(timeout / 2)
+                    col.status()
         summary = col.summary
         return {"frames": summary.frames if summary else None, "waited": time.monotonic() - start}
     if slow and busy == "dst":  # rank dst busy inside gather (slow to prepare its own frames): senders wait
@@ -279,3 +281,19 @@ def case_dead_before_open(out: str, timeout: float) -> dict:
     except tdgather.TdgatherError as e:
         return {**_error(e), "seconds": time.monotonic() - t0}
     return {"type": None}
+
+
+def case_sampler_overlap(out: str, same_seed: bool) -> dict:
+    """23 one-frame images over a shuffling DistributedSampler, seeded alike on every rank (padding) or not."""
+    from torch.utils.data import DistributedSampler
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    images = [f"img_{i:02d}.jpg" for i in range(23)]
+    sampler = DistributedSampler(images, num_replicas=world, rank=rank, shuffle=True, seed=0 if same_seed else rank)
+    with tdgather.Collector(out, timeout=60, progress=False) as col:
+        for i in sampler:
+            col.add([images[i]], [0], torch.full((1, 4), float(i)))
+    s = col.summary
+    if s is None:
+        return {}
+    return {"dropped": s.duplicates_dropped, "frames": s.frames, "warnings": list(s.warnings), "text": str(s)}

@@ -114,12 +114,22 @@ def _same(out, world: int) -> dict:
 
 
 def case_collector(
-    path: str, form: str, budget: int, chunk: int | None = None, per_writer: int | None = None
+    path: str,
+    form: str,
+    budget: int,
+    chunk: int | None = None,
+    per_writer: int | None = None,
+    shard_bytes: int = 1 << 30,
 ) -> dict | None:
-    """A Collector with no ``ragged=``; a small ``budget`` spills filenames before their counts vary."""
+    """A Collector with no ``ragged=``; a small ``shard_bytes`` writes filenames before their counts vary."""
     rank, world = dist.get_rank(), dist.get_world_size()
     with tdgather.Collector(
-        path, memory_budget=budget, chunk_bytes=chunk, ranks_per_writer=per_writer, progress=False
+        path,
+        memory_budget=budget,
+        chunk_bytes=chunk,
+        ranks_per_writer=per_writer,
+        max_shard_bytes=shard_bytes,
+        progress=False,
     ) as col:
         give(col, mine(rank, world), world, form)
     if rank:

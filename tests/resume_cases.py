@@ -20,9 +20,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 import tdgather
+from tdgather.format.names import SHARD_NAME
 from tdgather.storage.atomic import LocalFS
 from tdgather.storage.objects import ObjectStore
 from tdgather.storage.writer import DatasetWriter
+
+from .faults import _wait_until
 
 SIDE = 24  # frames are [3, SIDE, SIDE]: about 7 KB each
 
@@ -43,14 +46,18 @@ def model(x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 class DieAtWrite(LocalFS):
-    """SIGKILL this process at its ``count``-th file write (rank dst killed while writing)."""
+    """SIGKILL this process at its ``count``-th shard write (rank dst killed while writing)."""
 
     def __init__(self, count: int) -> None:
-        self.count, self.seen = count, 0
+        self.count, self.seen, self.name = count, 0, ""
+
+    def write_atomic(self, path, chunks, then=None):
+        self.name = path.name  # what write_all writes: a shard, or the run's mark, an index
+        return super().write_atomic(path, chunks, then)
 
     def write_all(self, fd, chunks):
-        self.seen += 1
-        if self.seen == self.count:
+        self.seen += bool(SHARD_NAME.fullmatch(self.name))
+        if self.seen == self.count and SHARD_NAME.fullmatch(self.name):
             super().write_all(fd, list(chunks)[:1])  # half a file: the temporary name a killed writer leaves
             time.sleep(1.0)  # the earlier shards' fsync and rename (a background thread) finish first
             os.kill(os.getpid(), signal.SIGKILL)
@@ -58,19 +65,23 @@ class DieAtWrite(LocalFS):
 
 
 class DieAtPut(ObjectStore):
-    """SIGKILL this process in the middle of its ``count``-th upload (rank dst killed while uploading a shard)."""
+    """SIGKILL this process in the middle of its ``count``-th shard upload (rank dst killed while uploading one)."""
 
     def __init__(self, url: str, storage_options: dict, count: int) -> None:
         super().__init__(url, storage_options)
         self.count, self.seen = count, 0
 
     def put(self, name, chunks, then=None):
-        self.seen += 1
-        if self.seen != self.count:
+        self.seen += bool(SHARD_NAME.fullmatch(name))  # not the run's mark
+        if self.seen != self.count or not SHARD_NAME.fullmatch(name):
             return super().put(name, chunks, then)
 
+        data = b"".join(bytes(memoryview(c).cast("B")) for c in chunks)
+        self.block_bytes = max(1, len(data) // 3)  # parts of a third: a multipart upload, even of a small shard
+
         def half():
-            yield next(iter(chunks))  # the upload has begun: then the process dies
+            yield data[: 2 * self.block_bytes]  # the upload has begun, two parts sent: then the process dies
+            time.sleep(0.5)
             os.kill(os.getpid(), signal.SIGKILL)
 
         return super().put(name, half(), then)
@@ -171,3 +182,37 @@ def case_gather_save(url: str, storage_options: dict) -> dict:
     got = tdgather.gather(store)
     saved = tdgather.save(got, url, storage_options=storage_options) if got is not None else None
     return {"saved": None if saved is None else str(saved)}
+
+
+def case_job(
+    out: str, job: str, tmp: str, storage_options: dict | None, hold: bool, kill_at_open: bool = False
+) -> dict:
+    """One copy of a job (``overwrite=True``): 4 batches a rank, each spilled and written at once.
+
+    ``hold``: once rank 0 has written a shard, it stamps ``<job>-open`` and waits for ``go`` (the other
+    copy runs meanwhile). ``kill_at_open``: rank 0 is SIGKILLed right after the Collector opens.
+    """
+    rank = dist.get_rank()
+    try:
+        with tdgather.Collector(
+            out,
+            overwrite=True,
+            resume=not hold and not kill_at_open and job.startswith("resume"),
+            memory_budget=16 << 10,
+            chunk_bytes=1,
+            timeout=60,
+            progress=False,
+            storage_options=storage_options,
+        ) as col:
+            if kill_at_open and rank == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            for b in range(4):
+                value = float(ord(job[0])) + b
+                col.add([f"{job}_{rank}.mp4"] * 2, [2 * b, 2 * b + 1], torch.full((2, 64), value))
+                if hold and rank == 0 and b == 1:
+                    _wait_until(lambda: col.status().shards >= 1, "a shard written")
+                    Path(tmp, f"{job}-open").touch()
+                    _wait_until(Path(tmp, "go").exists, "the other job")
+        return {"type": None}
+    except tdgather.TdgatherError as e:
+        return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None)}

@@ -64,6 +64,14 @@ def test_combine_smoke(tmp_path):
     assert "| 2 | 40 | " in report.read_text()
 
 
+def test_small_budget_smoke(capsys):
+    from benchmarks.small_budget import main as small_budget
+
+    assert small_budget(["--videos", "40", "--frames", "20", "--budget-mib", "4", "--reads", "5"]) == 0
+    row = capsys.readouterr().out.splitlines()[-1].split(" | ")
+    assert row[0] == "| 4" and int(row[3]) >= 1  # budget, then peak, seconds, shards, segments, read ms
+
+
 def test_detection_smoke(tmp_path):
     from benchmarks.detection import METHODS, _rank
     from tdgather.tools.launch import run_local_world

@@ -58,6 +58,22 @@ def test_rank0_memory_stays_under_the_budget(tmp_path, ragged):
     assert out["anon"] < budget, f"rank 0 held {out['anon'] / 2**20:.0f} MiB over a {budget / 2**20:.0f} MiB budget"
 
 
+@pytest.mark.parametrize("chunk", [16 << 10, 256 << 10])
+def test_shards_grow_with_bytes_not_with_chunks_under_a_small_budget(tmp_path, chunk):
+    """20,000 frames of 32 bytes of 500 videos, shuffled over 2 ranks, a 4 MiB budget: hundreds of chunks.
+
+    Each spill (a few chunks: their filenames filled the budget's share) was a shard of its own, and
+    every video had a segment in most of them. Spills are merged into the shard being gathered: a
+    shard is written at ``max_shard_bytes``, and reading a video touches one segment per shard at most.
+    """
+    shard = 96 << 10
+    out = run_local_world(cases.case_small_frames, 2, str(tmp_path / "ds"), 4 << 20, chunk, shard, timeout=180)[0]
+    assert out["frames"] == 20_000
+    written = out["bytes"] + 8 * out["frames"]  # as a shard counts them: frames and their frame_idx
+    assert out["shards"] <= written // shard + 2, out
+    assert out["segments"] <= out["shards"]
+
+
 @pytest.mark.parametrize("failing", [0, 1])
 def test_error_inside_the_block(tmp_path, failing):
     out = run_local_world(cases.case_stream_error, 3, str(tmp_path / "ds"), failing, timeout=180)

@@ -74,3 +74,16 @@ def test_both_dst_and_group_dst_are_refused_without_a_process_group(tmp_path):
         tdgather.gather({"a": (0, torch.ones(1))}, dst=0, group_dst=0)
     with pytest.raises(ValueError, match="pass one of them"):
         tdgather.Collector(tmp_path / "x", dst=0, group_dst=0)
+
+
+def test_errors_name_the_global_rank_with_the_group_rank_beside_it(tmp_path):
+    out = run_local_world(dc.case_a_failure_in_a_subgroup, 4, str(tmp_path / "ds"), timeout=120)
+    assert [r["member"] for r in out] == [True, False, False, True]
+    gather, collect = out[0]["gather"], out[0]["collect"]  # rank 0, told that global rank 3 (its group's 1) failed
+    assert gather["type"] == "PeerError" and gather["rank"] == 1, gather
+    assert "rank 3 (group rank 1) failed with UnsupportedValueError" in gather["message"], gather
+    assert collect["type"] == "PeerError" and collect["rank"] == 1, collect
+    assert "rank 3 (group rank 1) failed with RuntimeError: boom on rank 3" in collect["message"], collect
+    assert out[3]["gather"]["type"] == "UnsupportedValueError" and out[3]["collect"]["type"] == "RuntimeError"
+    failure = tdgather.open(tmp_path / "ds", incomplete=True).metadata["failure"]
+    assert "rank 3 (group rank 1) failed" in failure["message"]

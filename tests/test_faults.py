@@ -19,11 +19,13 @@ they test:
 - row 25 (SIGTERM): test_sigterm; row 26 (object storage): test_objects;
 - row 27 (first dims that vary, with no ``ragged=``): test_promote;
 - row 28 (same-host senders through shared memory): test_shm.
+- row 29 (a rank's loop hangs while its process lives; a slow loop) and row 33 (the loss window) are here.
 
 Rows 5-7 are also fuzzed without processes in test_codec (hypothesis). The time to error of the
 kill and stop rows is printed (``pytest -s``) for the release note.
 """
 
+import json
 import os
 import re
 import tempfile
@@ -160,6 +162,32 @@ def test_row3_gather_with_a_stopped_rank(tmp_path):
     seconds = r[0]["seen"] - r[0]["start"]
     print(f"gather() with a stopped rank raised after {seconds:.2f} s (timeout {STOP_TIMEOUT} s)")
     assert STOP_TIMEOUT <= seconds <= STOP_TIMEOUT + SLACK
+
+
+@pytest.mark.parametrize("hung", [1, 0], ids=["sender", "rank0"])
+def test_row29_a_rank_whose_loop_hangs_is_named_on_every_rank(tmp_path, hung):
+    out = tmp_path / "ds"
+    r = world(faults.case_hung_loop, str(out), hung, str(tmp_path), STOP_TIMEOUT)
+    assert r[hung] is None  # still hung, then killed
+    for rank in {0, 1, 2} - {hung}:
+        assert r[rank]["type"] in ("StalledError", "PeerError"), r[rank]
+        assert f"rank {hung} stalled: its loop made no call into tdgather for" in r[rank]["message"], r[rank]
+        assert "_hang_forever" in r[rank]["message"]  # where it is stuck
+        seconds = r[rank]["seen"] - faults._read_stamp(str(tmp_path), "fault")["time"]
+        print(f"rank {rank} named the hung rank {hung} after {seconds:.2f} s (timeout {STOP_TIMEOUT} s)")
+        assert STOP_TIMEOUT <= seconds <= STOP_TIMEOUT + SLACK
+    if hung == 1:  # rank 0 keeps what it received
+        assert r[0]["type"] == "PeerError" and r[0]["rank"] == 1
+        ds = tdgather.open(out, incomplete=True)
+        assert {f"r1_b{b:03d}.mp4" for b in range(2)} <= set(ds)
+
+
+def test_row29_a_slow_loop_that_progresses_completes(tmp_path):
+    out = tmp_path / "ds"
+    # rank 1's 10 batches take 0.6 s each: 6 s in all, twice the timeout, while rank 0 waits in close
+    r = run_local_world(faults.case_slow_loop, 3, str(out), 3.0, 0.6, timeout=120)
+    assert r[0]["frames"] == sum(faults.BATCHES.values()) * faults.B
+    assert len(tdgather.open(out)) == sum(faults.BATCHES.values())
 
 
 @pytest.mark.parametrize("streaming", [False, True])
@@ -322,3 +350,25 @@ def test_row15_rank0_killed_while_writing(tmp_path, event, count, with_old):
     assert same_as(tdgather.open(target), "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
     assert not [p.name for p in target.iterdir() if ".tmp-" in p.name]
+
+
+def test_row33_rank_dst_killed_in_a_slow_job_with_small_outputs_loses_only_the_last_commit_interval(tmp_path):
+    out = tmp_path / "ds"
+    every = 1.0
+    with pytest.raises(WorldError) as info:
+        run_local_world(faults.case_small_outputs_then_dst_killed, 2, str(out), str(tmp_path), every, timeout=120)
+    killed = faults._read_stamp(str(tmp_path), "fault")["time"]
+    dst = json.loads((tmp_path / "rank0.json").read_text())
+    assert dst["received"]["1"] > 0  # status() moved during the loop: rank 1 sends in time, not at close
+    sender = info.value.results[1]
+    assert sender["type"] == "PeerLostError" and sender["rank"] == 0, sender
+    sender_log = sender["log"]
+    ds = tdgather.open(out, incomplete=True)
+    window = every + every / 4 + SLACK / 2  # the commit interval, a sender's flush, and scheduling on 2 cores
+    for name, log in (("r0.mp4", dst["log"]), ("r1.mp4", sender_log)):
+        due = max((n for t, n in log if t <= killed - window), default=0)  # added more than the window before
+        saved = len(ds[name].frame_idx) if name in ds else 0
+        print(f"{name}: {saved} frames saved, {due} added more than {window:.1f} s before the kill")
+        assert due > 0 and saved >= due, (name, saved, due)
+    log = (tmp_path / "rank0.err").read_text()  # progress lines in a plain log, with no logging setup
+    assert re.search(r"tdgather: \d+ frames received, \d+ MB, \d+ shards", log), log[-2000:]

@@ -38,7 +38,7 @@ def _env() -> dict[str, str]:
 def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.Popen]]:
     """The 2-process runs, started together; each test waits for its own."""
     procs = {}
-    for case in ("many", "spawn", "fail", "writers"):
+    for case in ("many", "spawn", "fail", "writers", "shuffled"):
         out = tmp_path_factory.mktemp(case)
         args = [sys.executable, CASES, case, str(out), "2"]
         procs[case] = (
@@ -203,3 +203,15 @@ def test_a_detector_with_no_ragged_declaration_writes_one_ragged_column(tmp_path
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, callbacks=[bad])
     with pytest.raises(tdgather.ShapeMismatchError, match=r"'clip.mp4'.*ragged=False"):
         trainer.predict(_Detector(), torch.utils.data.DataLoader(_clips(), batch_size=2), return_predictions=False)
+
+
+@pytest.mark.world
+@pytest.mark.timeout(300)
+def test_overlapping_shuffled_shares_are_reported_as_frames_never_predicted(runs):
+    """shuffle=True without a common seed: Lightning's predict sampler never pads, so a copy is a lost frame."""
+    out, log = _finish(runs["shuffled"])
+    ds = tdgather.open(out / "preds")
+    assert len(ds) < 23  # frames predicted twice stand for frames never predicted
+    dropped = 23 - len(ds)
+    assert f"{dropped} copies of frames were predicted more than once" in log, log[-3000:]
+    assert "never predicted" in log and "seed_everything" in log

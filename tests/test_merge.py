@@ -7,7 +7,7 @@ import torch
 
 import tdgather
 from tdgather.core.duplicates import DuplicateCounts, DuplicatePolicy
-from tdgather.core.merge import merge
+from tdgather.core.merge import as_parts, merge
 from tdgather.errors import DuplicateFrameError, ShapeMismatchError
 
 from .cases import value, wire_roundtrip
@@ -236,3 +236,31 @@ def test_rows_are_ordered_per_file_and_frame_however_they_are_spread(stride, cop
     for name, idxs in expected.items():
         assert out[name].frame_idx.tolist() == idxs, name
         assert torch.equal(out[name].frames, torch.stack([value(name, i, (3,)) for i in idxs])), name
+
+
+def test_a_merged_result_taken_back_as_parts_merges_again_and_keeps_each_rows_sender():
+    """A Collector gathers a shard over several spills: each spill is merged with what was gathered (`as_parts`)."""
+
+    def det(name, j, n):  # a detector's frame: n boxes (a ragged leaf) and a label (a JSON leaf)
+        return {"boxes": value(name, j, (n, 4)), "label": f"{name}-{j}"}
+
+    first, _ = parts_of({"v": [(j, det("v", j, j % 3)) for j in (2, 0)]}, {"v": [(1, det("v", 1, 1))]})
+    gathered = merge(first).groups
+    second, _ = parts_of({"v": [(3, det("v", 3, 0))]}, {"v": [(2, det("v", 2, 2))], "w": [(0, det("w", 0, 2))]})
+    merged = merge([*as_parts(gathered), *second])  # what was gathered first: its copy of frame 2 is kept
+    assert merged.duplicates == DuplicateCounts(exact=1, inexact=0, max_abs_diff=0.0)
+    assert merged.ranks == {"v": {0, 1}, "w": {1}}
+    (group,) = merged.groups
+    assert group.files == ["v", "w"] and group.rank.tolist() == [0, 1, 0, 0, 1]  # each row's sender, kept
+    out = tdgather.Gathered(merged.groups)
+    assert out["v"].frame_idx.tolist() == [0, 1, 2, 3]
+    assert out["v"].frames["label"] == ["v-0", "v-1", "v-2", "v-3"]
+    for j, boxes in enumerate(out["v"].frames["boxes"].unbind()):
+        assert torch.equal(boxes, value("v", j, (j % 3 if j < 3 else 0, 4))), j
+
+
+def test_a_layout_mismatch_with_what_was_gathered_names_the_rank_that_sent_it():
+    first, _ = parts_of({"a": frames("a", [0])}, {"x": frames("x", [0])})  # gathered: "a" from rank 0, "x" from 1
+    later, _ = parts_of({"y": frames("y", [0])}, {}, {"x": frames("x", [1], (2, 2))})
+    with pytest.raises(ShapeMismatchError, match=r"'x': rank 1 sent float32\[4\] but rank 2 sent float32\[2, 2\]"):
+        merge([*as_parts(merge(first).groups), *later])

@@ -159,3 +159,14 @@ def test_a_rank_that_died_before_opening_is_not_called_late(tmp_path):
     r = e.value.results[0]
     assert r["type"] == "PeerLostError" and r["rank"] == 1 and r["seconds"] < 25, r
     assert "probably failed or died" in r["message"] and "did not open its Collector within" not in r["message"]
+
+
+@pytest.mark.parametrize("same_seed", [True, False], ids=["padding", "overlap"])
+def test_copies_beyond_what_padding_makes_are_reported_as_frames_never_predicted(tmp_path, same_seed):
+    r = run_local_world(newuser.case_sampler_overlap, 2, str(tmp_path / "ds"), same_seed, timeout=120)[0]
+    if same_seed:  # DistributedSampler pads 23 samples to 24: one copy, expected, no warning
+        assert r["dropped"] == 1 and r["frames"] == 23 and r["warnings"] == []
+    else:  # each rank its own permutation: the shares overlap, frames are lost
+        assert r["dropped"] > 1 and r["frames"] < 23 and len(r["warnings"]) == 1, r
+        assert f"{r['dropped']} copies of frames were predicted more than once" in r["warnings"][0]
+        assert "never predicted" in r["warnings"][0] and "WARNING:" in r["text"]

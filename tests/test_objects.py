@@ -18,11 +18,12 @@ import torch
 
 import tdgather
 from tdgather.errors import DatasetError, OutputError
-from tdgather.format.names import INCOMPLETE_NAME, INDEX_NAME, SHARD_NAME
+from tdgather.format.names import INCOMPLETE_NAME, INDEX_NAME, RUN_NAME, SHARD_NAME
 from tdgather.storage.recovery import saved_at
 from tdgather.tools.cli import main as cli
 from tdgather.tools.launch import WorldError, run_local_world
 
+from . import faults
 from . import resume_cases as rc
 from .cases import bits
 from .s3 import new_bucket, s3_server
@@ -134,10 +135,18 @@ def test_a_rank_killed_then_resumed_on_s3_equals_the_uninterrupted_run(s3, url, 
     assert INCOMPLETE_NAME not in objects(s3, url)  # the commit removed the record
 
 
+def uploads(options: dict, url: str) -> list[str]:
+    """The keys (under the bucket) of the multipart uploads begun and never completed nor aborted."""
+    found = s3fs_of(options).call_s3("list_multipart_uploads", Bucket=url.split("/")[2]).get("Uploads", [])
+    return sorted(u["Key"] for u in found)
+
+
 def test_rank_dst_killed_mid_upload_then_resumed(s3, url, reference, tmp_path):
     attempt(url, s3, resume=False, kill={"rank": 0, "write": 4})
     names = objects(s3, url)
-    assert len(names) == 3 and all(SHARD_NAME.fullmatch(n) for n in names)  # the 4th upload never completed
+    assert [n for n in names if SHARD_NAME.fullmatch(n)] == names[:3] and names[3:] == [RUN_NAME]  # no 4th shard
+    left = uploads(s3, url)  # the 4th shard's upload, begun: its parts are stored (and billed) until aborted
+    assert len(left) == 1 and SHARD_NAME.fullmatch(left[0].rsplit("/", 1)[1]) and ".safetensors" in left[0]
     saved = saved_at(url, storage_options=s3).num_frames
     assert saved > 0  # read back from the shards' own records, in the store
     assert tdgather.open(url, incomplete=True, storage_options=s3).metadata["total_frames"] == saved
@@ -146,6 +155,31 @@ def test_rank_dst_killed_mid_upload_then_resumed(s3, url, reference, tmp_path):
     a = tdgather.open(url, storage_options=s3).metadata["attempts"]
     assert a[0]["failure"]["type"] == "Unrecorded" and [x["frames"] for x in a] == [saved, 87 - saved]
     assert {n.split(".")[1].rsplit("-", 1)[1] for n in objects(s3, url) if SHARD_NAME.fullmatch(n)} == {"1", "2"}
+    assert uploads(s3, url) == []  # the resumed run's commit aborted its killed attempt's upload
+
+
+def test_a_commit_aborts_only_its_own_runs_unfinished_uploads(s3, url):
+    """This run's (any attempt) and the replaced run's go; another run's (maybe live), other keys and prefixes stay."""
+    from tdgather.storage.objects import ObjectStore
+
+    fs, bucket = s3fs_of(s3), url.split("/")[2]
+    root = url.removeprefix(f"s3://{bucket}/")
+    keys = [
+        f"{root}/shard-00003.{'a' * 12}-1.safetensors",  # this run's, a killed attempt
+        f"{root}/shard-00000-00001.{'a' * 12}-2.safetensors",  # this run's, another writer's
+        f"{root}/shard-00001.{'b' * 12}-1.safetensors",  # the replaced run's
+        f"{root}/shard-00001.{'c' * 12}-1.safetensors",  # another run's
+        f"{root}/shard-00001.safetensors",  # untagged
+        f"{root}/notes.txt",
+        f"{root}/sub/shard-00001.{'a' * 12}-1.safetensors",
+        f"{root}2/shard-00001.{'a' * 12}-1.safetensors",  # another prefix
+    ]
+    for key in keys:
+        fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    aborted = ObjectStore(url, s3).abort_uploads(["a" * 32, "b" * 12])
+    assert sorted(aborted) == sorted(k.rsplit("/", 1)[1] for k in keys[:3])
+    assert uploads(s3, url) == sorted(keys[3:])
+    assert ObjectStore("memory://x/y").abort_uploads(["a" * 32]) == []  # only S3 lists uploads
 
 
 def test_many_writers_share_no_filesystem(s3, url, reference, tmp_path):
@@ -284,8 +318,8 @@ def test_a_file_url_is_the_local_path(tmp_path):
     assert tdgather.open(f"file://{tmp_path}/ds")["b.mp4"].frame_idx.tolist() == [0, 1, 2]
 
 
-def test_two_runs_committing_one_prefix_never_break_the_last_index(mem):
-    """No lock exists in an object store: a run's commit removes only its own and the replaced run's shards."""
+def test_two_runs_committing_one_prefix_one_commits_the_other_is_refused_naming_it(mem):
+    """The commit is conditional on the index seen at open: the second run fails, naming the first."""
     from tdgather.storage.writer import DatasetWriter
 
     a = DatasetWriter(mem)
@@ -294,11 +328,10 @@ def test_two_runs_committing_one_prefix_never_break_the_last_index(mem):
     b.write(frames(2.0, names=("c.mp4",)))
     a.commit()
     assert sorted(tdgather.open(mem)) == ["a.mp4", "b.mp4"]
-    b.commit()  # the last index wins, whole: its shards were not removed by a's commit
-    ds = tdgather.open(mem)
-    assert sorted(ds) == ["c.mp4"] and torch.equal(ds["c.mp4"].frames["depth"], torch.full((3, 4), 2.0))
-    assert ds.verify() == 1
-    assert sorted(tdgather.open(mem, incomplete=True)) == ["a.mp4", "b.mp4"]  # a's shards, unlisted, kept
+    with pytest.raises(OutputError, match=f"another run committed a dataset there.*run {a.run}'s"):
+        b.commit()
+    ds = tdgather.open(mem)  # a's dataset, whole
+    assert sorted(ds) == ["a.mp4", "b.mp4"] and ds.verify() == 1
 
 
 def test_a_missing_bucket_is_named_before_any_frame_moves(s3):
@@ -360,7 +393,8 @@ def test_a_multipart_upload_is_whole_or_absent(s3, url):
     chunks = [memoryview(data[i : i + (3 << 20)].numpy()) for i in range(0, data.numel(), 3 << 20)]
     written = store.put("shard-00000.safetensors", iter(chunks))
     assert store.read("shard-00000.safetensors") == data.numpy().tobytes()
-    assert written.size == 23 << 20 and written == store.digest("shard-00000.safetensors")
+    digest = store.digest("shard-00000.safetensors")
+    assert written.size == digest.size == 23 << 20 and written.sha256 == digest.sha256
 
     def failing():
         yield from chunks[:4]  # 12 MiB: two parts sent
@@ -371,3 +405,76 @@ def test_a_multipart_upload_is_whole_or_absent(s3, url):
     assert store.size("shard-00001.safetensors") is None
     fs = s3fs_of(s3)
     assert not fs.call_s3("list_multipart_uploads", Bucket=url.split("/")[2]).get("Uploads")  # aborted
+
+
+def test_a_commit_is_conditional_on_s3_if_match(s3, url):
+    """Two runs over one complete dataset (If-Match on its ETag): the first commits, the second is refused."""
+    from tdgather.storage.writer import DatasetWriter
+
+    tdgather.save(frames(1.0), url, storage_options=s3)
+    a = DatasetWriter(url, overwrite=True, storage_options=s3)
+    b = DatasetWriter(url, overwrite=True, storage_options=s3)
+    a.write(frames(2.0))
+    b.write(frames(3.0, names=("c.mp4",)))
+    a.commit()
+    with pytest.raises(OutputError, match=f"another run committed.*run {a.run}'s"):
+        b.commit()
+    ds = tdgather.open(url, storage_options=s3)
+    assert sorted(ds) == ["a.mp4", "b.mp4"] and ds.verify() == len(ds.index["shards"])
+    assert torch.equal(ds["a.mp4"].frames["depth"], torch.full((3, 4), 2.0))
+
+
+def test_two_jobs_on_one_prefix_one_commits_whole_the_other_names_it(s3, url, tmp_path):
+    """A requeued job (B, overwrite=True) starts while the first (A) still runs and has uploaded a shard."""
+    import threading
+
+    first: dict = {}
+
+    def job_a():
+        try:
+            first["a"] = run_local_world(rc.case_job, 2, url, "alpha", str(tmp_path), s3, True, timeout=150)
+        except WorldError as e:
+            first["a"] = e
+
+    t = threading.Thread(target=job_a, daemon=True)
+    t.start()
+    faults._wait_until((tmp_path / "alpha-open").exists, "job A's first shard", timeout=120)
+    b = run_local_world(rc.case_job, 2, url, "beta", str(tmp_path), s3, False, timeout=150)
+    (tmp_path / "go").touch()
+    t.join(150)
+    assert b == [{"type": None}, {"type": None}]
+    ds = tdgather.open(url, storage_options=s3)  # B's dataset, whole: every listed shard is there
+    assert sorted(ds) == ["beta_0.mp4", "beta_1.mp4"] and ds.verify() == len(ds.index["shards"])
+    assert all(ds[n].frame_idx.tolist() == list(range(8)) for n in ds)
+    a = first["a"]
+    assert a[0]["type"] == "OutputError" and f"run {ds.metadata['run']}" in a[0]["message"], a
+    assert "nothing was committed" in a[0]["message"]
+    assert a[1]["type"] == "PeerError" and a[1]["rank"] == 0
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_run_killed_at_open_is_continued_by_resume_not_the_dataset_it_replaced(s3, url, tmp_path, where):
+    """Yesterday's dataset at OUT; today's run (overwrite=True) killed before any shard; then resume=True."""
+    out, opts = (str(tmp_path / "ds"), None) if where == "local" else (url, s3)
+    tdgather.save(frames(1.0), out, storage_options=opts)
+    yesterday = tdgather.open(out, storage_options=opts).metadata["run"]
+    with pytest.raises(WorldError):
+        run_local_world(rc.case_job, 2, out, "today", str(tmp_path), opts, False, True, timeout=150)
+    assert sorted(tdgather.open(out, storage_options=opts)) == ["a.mp4", "b.mp4"]  # still yesterday's, whole
+    assert run_local_world(rc.case_job, 2, out, "resume", str(tmp_path), opts, False, timeout=150)[0] == {"type": None}
+    ds = tdgather.open(out, storage_options=opts)  # the interrupted run, finished: today's frames
+    assert sorted(ds) == ["resume_0.mp4", "resume_1.mp4"] and ds.metadata["run"] != yesterday
+    assert ds.verify() == len(ds.index["shards"]) if where == "s3" else len(ds.index["shards"]) > 0
+    for name in ds:
+        assert ds[name].frame_idx.tolist() == list(range(8))
+
+
+def test_resume_beside_a_bare_partial_directory_keeps_the_complete_dataset(tmp_path):
+    out = tmp_path / "ds"
+    tdgather.save(frames(1.0), out)
+    (tmp_path / "ds.partial").mkdir()  # what `mkdir` or a run killed before writing its mark leaves
+    with tdgather.Collector(out, resume=True, progress=False) as col:
+        assert sorted(col.saved) == ["a.mp4", "b.mp4"]
+    ds = tdgather.open(out)
+    assert sorted(ds) == ["a.mp4", "b.mp4"] and all((out / n).is_file() for n in ds.index["shards"])
+    assert torch.equal(ds["a.mp4"].frames["depth"], torch.full((3, 4), 1.0))

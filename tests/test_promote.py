@@ -68,7 +68,7 @@ def test_a_first_dim_that_changes_at_the_second_add_of_a_filename_makes_it_ragge
     got = tdgather.gather(store)["v.mp4"]
     assert [t.shape[0] for t in got.frames["boxes"].unbind()] == [7, 7, 3, 0]
     ds = tdgather.open(tdgather.save(tdgather.gather(store), tmp_path / "ds"))
-    assert ds.index["version"] == 6 and ds.layout("v.mp4").describe() == "{boxes: float32[*, 4], scores: float32[*]}"
+    assert ds.index["version"] == 7 and ds.layout("v.mp4").describe() == "{boxes: float32[*, 4], scores: float32[*]}"
     assert ds.lengths("v.mp4")["boxes"].tolist() == [7, 7, 3, 0]
 
 
@@ -126,7 +126,7 @@ def test_a_copy_written_fixed_is_compared_with_a_later_ragged_one_and_a_conflict
 
 def test_an_old_reader_is_told_the_version_and_version_5_indexes_still_read(tmp_path):
     out = tdgather.save(tdgather.gather({"a": [(0, torch.ones(2))]}), tmp_path / "ds")
-    assert tdgather.open(out).index["version"] == 6
+    assert tdgather.open(out).index["version"] == 7  # 6's rules, with each shard's CRC-32
     import json
 
     index = json.loads((out / "tdgather.index.json").read_text())
@@ -145,9 +145,11 @@ def test_gather_finds_counts_that_vary_across_ranks(form):
 @pytest.mark.world
 @pytest.mark.parametrize("form, budget", [("model", 1 << 30), ("update", 1 << 16), ("list", 1 << 16)])
 def test_collector_with_no_ragged_declaration_and_spills_before_counts_vary(tmp_path, form, budget):
-    """With a 64 KiB budget, rank dst writes shards during the loop: late.mp4 as fixed first, ragged later."""
-    out = run_local_world(pc.case_collector, 3, str(tmp_path / "ds"), form, budget, 4096, timeout=180)[0]
-    assert out["files"] == len(pc.NAMES) and out["version"] == 6
+    """With a 64 KiB budget and 1 KiB shards, rank dst writes shards during the loop: late.mp4 as fixed first, ragged
+    later (small spills alone are gathered into one shard)."""
+    shard = 1 << 10 if budget < 1 << 20 else 1 << 30
+    out = run_local_world(pc.case_collector, 3, str(tmp_path / "ds"), form, budget, 4096, None, shard, timeout=180)[0]
+    assert out["files"] == len(pc.NAMES) and out["version"] == 7
     if budget < 1 << 20:
         assert out["shards"] > 2
         assert "{boxes: float32[2, 4], feat: float32[8], scores: float32[2]}" not in out["stored"]  # joined
@@ -163,7 +165,7 @@ def test_resume_of_a_run_whose_first_attempt_wrote_the_leaf_fixed(tmp_path):
 @pytest.mark.world
 def test_many_writers_where_one_writer_saw_only_equal_counts(tmp_path):
     out = run_local_world(pc.case_collector, 4, str(tmp_path / "ds"), "model", 1 << 30, None, 2, timeout=180)[0]
-    assert out["files"] == len(pc.NAMES) and out["version"] == 6
+    assert out["files"] == len(pc.NAMES) and out["version"] == 7
 
 
 @pytest.mark.world

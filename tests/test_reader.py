@@ -298,11 +298,11 @@ def test_nan_in_the_index_is_refused(tmp_path, constant):
         tdgather.open(out)
 
 
-@pytest.mark.parametrize("version, got", [(7, "7"), (0, "0"), ("2", "'2'"), (True, "True"), (None, "None")])
+@pytest.mark.parametrize("version, got", [(8, "8"), (0, "0"), ("2", "'2'"), (True, "True"), (None, "None")])
 def test_an_unknown_version_is_refused_saying_which_this_tdgather_reads(tmp_path, version, got):
     out = save(tmp_path)
     edit(out, lambda index: index.update(version=version))
-    wanted = r"1, 2, 3, 4, 5 or 6 \(this tdgather reads index version 1, 2, 3, 4, 5 or 6 only\)"
+    wanted = r"1, 2, 3, 4, 5, 6 or 7 \(this tdgather reads index version 1, 2, 3, 4, 5, 6 or 7 only\)"
     with pytest.raises(DatasetError, match=rf"version: expected {wanted}, got {got}"):
         tdgather.open(out)
 

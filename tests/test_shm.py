@@ -12,7 +12,7 @@ import tdgather
 from tdgather import ProtocolError
 from tdgather.dist.shm import RING, SegmentWriter, open_segment, pid_namespace, sweep
 from tdgather.dist.wire import Kind, decode_header
-from tdgather.tools.launch import run_local_world
+from tdgather.tools.launch import WorldError, run_local_world
 
 from . import shm_cases as sc
 
@@ -136,6 +136,19 @@ def test_gloo_carries_the_chunks_where_shared_memory_is_off_or_full(tmp_path, en
     out = run_local_world(sc.case_collect, 3, str(tmp_path / "ds"), {"TDGATHER_SHM_DIR": str(shm), **env}, timeout=120)
     assert out[0]["frames"] == 3 * 24 * 8 and out[0]["shared"] == 0
     assert all(r["left"] == [] for r in out)
+
+
+@pytest.mark.world
+def test_rank_dst_removes_a_killed_senders_segments_when_the_run_ends(tmp_path):
+    """Its ring (and a chunk it was killed writing) would stay in RAM until a later run on this host swept it."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with pytest.raises(WorldError) as e:
+        run_local_world(sc.case_sender_killed, 2, str(tmp_path / "ds"), {"TDGATHER_SHM_DIR": str(shm)}, str(tmp_path))
+    assert e.value.failures == {1: "exited with code -9 and no result"}, e.value.failures
+    out = e.value.results[0]
+    assert out["error"] == {"type": "PeerLostError", "rank": 1}
+    assert out["left"] == [(tmp_path / "decoy").read_text()]  # another writer's segment stays
 
 
 @pytest.mark.parametrize("raw", ["abc", "1.5", "-1", ""])

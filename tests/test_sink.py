@@ -13,7 +13,7 @@ import tdgather
 from tdgather.core.duplicates import DuplicateCounts
 from tdgather.core.runs import add_runs, in_runs
 from tdgather.errors import OutputError
-from tdgather.format.names import INCOMPLETE_NAME, INDEX_NAME
+from tdgather.format.names import INCOMPLETE_NAME, INDEX_NAME, RUN_NAME
 from tdgather.storage.store import LocalStore
 from tdgather.storage.writer import DatasetWriter
 
@@ -272,7 +272,8 @@ def test_incremental_conflicts_raise_and_abort_keeps_committed_shards(tmp_path):
     ):
         w.write(tdgather.gather({"a": (1, torch.ones(2, dtype=torch.float64))}), {"a": {1}})
     partial = w.abort()
-    assert partial == tmp_path / "ds.partial" and sorted(os.listdir(partial)) == ["shard-00000.safetensors"]
+    assert partial == tmp_path / "ds.partial"
+    assert sorted(os.listdir(partial)) == ["shard-00000.safetensors", RUN_NAME]  # the mark: resume continues this run
     assert not (tmp_path / "ds").exists()
 
 
@@ -325,7 +326,7 @@ def test_a_shard_that_fails_to_become_durable_fails_the_commit_and_is_not_listed
     partial = w.abort(RuntimeError("stopped"))
     listing = json.loads((partial / INCOMPLETE_NAME).read_text())
     assert list(listing["shards"]) == ["shard-00000.safetensors"] and list(listing["files"]) == ["a.mp4"]
-    assert sorted(p.name for p in partial.iterdir()) == ["shard-00000.safetensors", INCOMPLETE_NAME]
+    assert sorted(p.name for p in partial.iterdir()) == ["shard-00000.safetensors", INCOMPLETE_NAME, RUN_NAME]
     assert tdgather.open(partial, incomplete=True)["a.mp4"].frames.shape == (2, 3)
 
 

@@ -81,8 +81,10 @@ def case_far_apart(out: str, slow: int, seconds: float, timeout: float) -> dict:
     start = time.monotonic()
     with tdgather.Collector(out, timeout=timeout, progress=False, ranks_per_writer=2) as col:
         col.update({f"r{rank}.mp4": [(j, torch.full((4,), float(rank))) for j in range(3)]})
-        if rank == slow:
-            time.sleep(seconds)  # a long inference tail
+        if rank == slow:  # a long inference tail: slow batches, each under the timeout (the loop progresses)
+            for _ in range(round(seconds / (timeout / 2))):
+                time.sleep(timeout / 2)
+                col.status()
     return {"frames": col.summary.frames if col.summary else None, "waited": time.monotonic() - start}
 
 

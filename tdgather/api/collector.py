@@ -37,17 +37,18 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from ..core.duplicates import DuplicatePolicy
 from ..dist.transport import Call, as_timeout, begin_call, resolve_dst, transport_group
-from ..storage.location import is_url, store_at
+from ..storage.location import is_url, local_path, store_at
 from ..storage.recovery import Saved
 from ..storage.sink import SinkFactory
 from ..storage.writer import DEFAULT_SHARD_BYTES
+from .liveness import Watchdog
+from .reporting import visible
 from .settings import CollectorStatus, CollectorSummary, Settings
 from .streams import BlockWriter, Coordinator, Destination, Sender, Uplink
 from .terminate import SigtermAsExit
@@ -72,8 +73,9 @@ class Collector:
             ``dst`` nor ``group_dst``, global rank 0.
         group: the process group (default: the world); NCCL groups get a side gloo group.
         group_dst: instead of ``dst``, the receiving rank's rank within ``group``.
-        timeout: seconds of silence from another rank that count as a failure; default 30 minutes.
-            Busy ranks send heartbeats, so ranks may finish far apart.
+        timeout: seconds of silence from another rank, or without a call into this Collector from
+            this rank's loop (`tdgather.api.liveness`), that count as a failure; default 30 minutes.
+            Busy ranks send heartbeats, so ranks may finish far apart; set it above the slowest batch.
         overwrite: replace an existing tdgather dataset (or a failed run's leftovers), atomically,
             when the new one is complete; any other non-empty directory is refused.
         duplicates: copies of one ``(filename, frame_idx)``: ``"keep"`` one (the default),
@@ -84,8 +86,15 @@ class Collector:
         chunk_bytes: a sender sends its frames every this many bytes (default from the budget).
         max_pending: unsent chunks a rank may hold before ``add()`` waits.
         max_shard_bytes: the largest shard rank ``dst`` writes.
-        progress: a progress bar on rank ``dst``; default: only when stderr is a terminal.
-        log_summary: log the summary (logger ``"tdgather"``) when closing.
+        progress: on rank ``dst``, None (default): a progress bar when stderr is a terminal, else (a
+            batch job's log) a line every minute on the ``"tdgather"`` logger, shown with no logging
+            setup (`tdgather.api.reporting`); True: the bar; False: neither.
+        log_summary: log the summary (logger ``"tdgather"``) when closing; default: unless
+            ``progress=False``.
+        commit_every: seconds; rank ``dst`` writes what it holds as shards at least this often, and
+            senders send what they hold at least every ``min(commit_every / 4, 30)`` seconds (at their
+            next ``add``), so a rank dst that is killed loses at most about this much of a slow job
+            with small outputs (default 300: 5 minutes, about 12 shards an hour at most).
         metadata: your JSON values (numpy scalars are converted), stored in the index as
             ``metadata["user"]``, beside tdgather's own keys, which never replace yours. Rank
             ``dst``'s is the one stored; it checks it when the Collector opens, and a value JSON
@@ -128,17 +137,20 @@ class Collector:
         max_pending: int = 2,
         max_shard_bytes: int = DEFAULT_SHARD_BYTES,
         progress: bool | None = None,
-        log_summary: bool = False,
+        log_summary: bool | None = None,
         metadata: Mapping[str, Any] | None = None,
         resume: bool = False,
         ranks_per_writer: int | None = None,
         sink: SinkFactory | None = None,
         storage_options: dict | None = None,
         ragged: bool | None = None,
+        commit_every: float = 300.0,
     ) -> None:
         for name, value, low in (("memory_budget", memory_budget, 1), ("max_pending", max_pending, 1)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        if isinstance(commit_every, bool) or not isinstance(commit_every, int | float) or not commit_every > 0:
+            raise ValueError(f"commit_every: expected a number of seconds > 0, got {commit_every!r}")
         if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes < 1):
             expected = "None (derived from the budget) or an integer >= 1"
             raise ValueError(f"chunk_bytes: expected {expected}, got {chunk_bytes!r}")
@@ -146,7 +158,8 @@ class Collector:
             resolve_dst(None, dst, group_dst)  # raises: only one of them
         if storage_options is not None and not is_url(path):
             store_at(path, storage_options)  # raises: options for a local path
-        self.path, self.group = (path.rstrip("/") if is_url(path) else Path(path)), group
+        # a file:// URL is the local path it names, as tdgather.open reads it (`tdgather.storage.location`)
+        self.path, self.group = (path.rstrip("/") if is_url(path) else local_path(path)), group
         self.storage_options = storage_options
         self._dst_args = (dst, group_dst)
         self.dst = 0  # the receiving rank within the group, known once open
@@ -154,7 +167,9 @@ class Collector:
         self.overwrite, self.memory_budget, self.max_pending = overwrite, memory_budget, max_pending
         self.resume = resume
         self.metadata = metadata  # rank dst checks it at open (`user_metadata`) and stores it
-        self.max_shard_bytes, self.progress, self.log_summary = max_shard_bytes, progress, log_summary
+        self.max_shard_bytes, self.progress = max_shard_bytes, progress
+        self.log_summary = log_summary if log_summary is not None else progress is not False
+        self.commit_every = float(commit_every)
         self.duplicates, self.copy = DuplicatePolicy.of(duplicates), copy
         if ranks_per_writer is not None and (type(ranks_per_writer) is not int or ranks_per_writer < 1):
             raise ValueError(f"ranks_per_writer: expected None or an integer >= 1, got {ranks_per_writer!r}")
@@ -170,6 +185,7 @@ class Collector:
         self._call: Call | None = None
         self._saved: Saved | None = None
         self._sigterm = SigtermAsExit()
+        self._watchdog: Watchdog | None = None
         self.summary: CollectorSummary | None = None  # set by close() on rank dst
 
     def open(self) -> Collector:
@@ -199,6 +215,7 @@ class Collector:
             sink=self.sink,
             storage_options=self.storage_options,
             fixed=self.fixed,
+            commit_every=self.commit_every,
         )
         if not distributed:
             self._side = Destination(settings, None, rank, [])
@@ -220,6 +237,9 @@ class Collector:
             raise
         self._saved = self._side.saved
         self._sigterm.install()  # SIGTERM now keeps what this rank holds, as Ctrl-C does
+        # liveness is the loop's progress, not a live thread (`tdgather.api.liveness`)
+        side = self._side
+        self._watchdog = Watchdog(side.progress, self.timeout.total_seconds(), dist.get_rank(), side.stall).start()
         return self
 
     def _block(self, world: int) -> int:
@@ -248,8 +268,13 @@ class Collector:
             raise
 
     def status(self) -> CollectorStatus:
-        """A snapshot of this rank's progress: frames received and shards written (rank dst), or back-pressure."""
-        return self._active().status()
+        """A snapshot of this rank's progress: frames received and shards written (rank dst), or back-pressure.
+
+        A call is progress (`tdgather.api.liveness`), as ``add`` is.
+        """
+        side = self._active()
+        side.progress.touch("status()")
+        return side.status()
 
     @property
     def saved(self) -> Saved:
@@ -267,7 +292,9 @@ class Collector:
         ``ragged=False`` is for the whole run: pass it to the Collector (every rank and rank dst then hold to it).
         """
         self._check_fixed(ragged)
-        self._active().add(filenames, frame_idx, frames, ragged=ragged)
+        side = self._active()
+        side.progress.touch("add()")
+        side.add(filenames, frame_idx, frames, ragged=ragged)
 
     def _check_fixed(self, ragged: Any) -> None:
         if ragged is False and not self.fixed:
@@ -279,22 +306,27 @@ class Collector:
     def update(self, predictions: Mapping[str, Any], *, ragged: Any = ()) -> None:
         """Add ``{filename: (frame_idx, value)}`` or a list of such pairs per filename (as `FrameStore.update`)."""
         self._check_fixed(ragged)
-        self._active().update(predictions, ragged=ragged)
+        side = self._active()
+        side.progress.touch("update()")
+        side.update(predictions, ragged=ragged)
 
     def close(self) -> CollectorSummary | None:
         """Flush and finish; on rank ``dst`` write the index and return the summary, elsewhere None."""
         side, self._side = self._active(), None
         try:
-            summary = side.close()
-        except BaseException as e:
-            self._sigterm.hold()  # torchrun's SIGTERM (a peer died) must not cut the abort short
-            side.abort(e)
-            raise
+            with side.progress.waiting():
+                try:
+                    summary = side.close()
+                except BaseException as e:
+                    self._sigterm.hold()  # torchrun's SIGTERM (a peer died) must not cut the abort short
+                    side.abort(e)
+                    raise
         finally:
             self._end_call()
         if summary is not None:
             self.summary = summary
             if self.log_summary:
+                visible()  # a job's log shows it with no logging setup
                 log.info("%s", self.summary)
         return self.summary
 
@@ -304,12 +336,16 @@ class Collector:
         self._sigterm.hold()  # torchrun's SIGTERM (a peer died) must not cut the abort short
         try:
             if side is not None:
-                side.abort(exc)
+                with side.progress.waiting():
+                    side.abort(exc)
         finally:
             self._end_call()
 
     def _end_call(self) -> None:
         self._sigterm.remove()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         if self._call is not None:
             self._call.end()
             self._call = None

@@ -256,7 +256,7 @@ def _send(predictions: Any, ch: Channel, ragged: Any = ()) -> None:
     if failure is not None:
         raise failure
     if answer.kind == Kind.ERROR:
-        raise peer_error(ch.peer, answer.header)
+        raise peer_error(ch, answer.header)
 
 
 def _post(ch: Channel, packed: Any, target: Target | None) -> tuple[list, BaseException | None, Message | None]:
@@ -403,7 +403,7 @@ class _Receive:
             msg = ch.recv()
             ch.wait(ready, "the ready answer")  # read by now: the sender reads it before it sends
             if msg.kind == Kind.ERROR:
-                raise peer_error(peer, msg.header)
+                raise peer_error(ch, msg.header)
             if msg.kind != Kind.DATA:
                 raise ProtocolError(peer, "prelude.kind", f"expected data (1) or error (3), got {int(msg.kind)}")
             self.parts[peer] = [

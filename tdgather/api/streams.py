@@ -13,34 +13,36 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from tqdm import tqdm
-
-from ..core.duplicates import DuplicateCounts, DuplicatePolicy
-from ..core.merge import merge
+from ..core.duplicates import DuplicateCounts, DuplicatePolicy, overlap_warning
+from ..core.merge import Merged, merge
 from ..core.metadata import USER_KEY, user_metadata
 from ..core.plan import Mismatches
 from ..core.pool import BufferPool
 from ..core.store import FrameStore
 from ..dist.pack import pack
 from ..dist.protocol import Joiner, end_stream, expect_done, read_frames, send_frames
-from ..dist.shm import SegmentWriter, host_token, sweep
+from ..dist.shm import PeerSegments, SegmentWriter, host_token, sweep
 from ..dist.transport import Answers, Call, heartbeat_interval, peer_error
 from ..dist.wire import HEARTBEAT, Kind, error_header
-from ..errors import DuplicateFrameError, PeerError, PeerLostError, ProtocolError
+from ..errors import DuplicateFrameError, PeerError, PeerLostError, ProtocolError, StalledError
 from ..format.parts import check_part, check_run, counts_of
 from ..storage.recovery import Saved
 from ..storage.writer import DatasetWriter
 from .jobs import Job
-from .settings import CollectorStatus, CollectorSummary, Settings, Spill, bookkeeping_bytes
+from .liveness import Progress
+from .reporting import LOG_EVERY, Report
+from .settings import CollectorStatus, CollectorSummary, Pending, Settings, Spill, bookkeeping_bytes
 
 __all__ = ["BlockWriter", "Coordinator", "Destination", "Sender", "Uplink"]
+
+log = logging.getLogger("tdgather")
 
 _POLL = 0.1  # seconds between the send thread's looks at dst's answer while idle
 _AFTER_ANSWER = 5.0  # seconds a sender still waits for its sends once dst has answered
@@ -66,14 +68,19 @@ def _return_freed_memory() -> None:
 class _Side:
     """What senders and rank dst share: the current chunk, back-pressure, the first failure."""
 
-    def __init__(self, chunk_bytes: int, max_pending: int, copy: bool, fixed: bool = False) -> None:
+    def __init__(
+        self, chunk_bytes: int, max_pending: int, copy: bool, fixed: bool = False, flush_every: float = 0
+    ) -> None:
         self.chunk_bytes = chunk_bytes
+        self.flush_every = flush_every or float("inf")  # seconds a chunk's first frame may wait
+        self.chunk_since: float | None = None
         self.copy, self.fixed = copy, fixed
         self.saved = Saved()  # what a resumed run saved already (empty for a fresh one)
         self.store = FrameStore(copy, fixed=fixed)
         self.queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self.failure: BaseException | None = None
         self.lock = threading.Lock()
+        self.progress = Progress()  # the loop's calls into tdgather (`tdgather.api.liveness`)
 
     def fail(self, e: BaseException) -> bool:
         """Record the first failure; True when this one is it."""
@@ -98,10 +105,19 @@ class _Side:
         self._maybe_flush()
 
     def _maybe_flush(self) -> None:
-        """Send the chunk once its frames, and what its filenames cost beside them, reach ``chunk_bytes``."""
-        if self.store.nbytes + _CHUNK_BYTES_PER_FILE * len(self.store.names) >= self.chunk_bytes:
+        """Send the chunk once its frames, and what its filenames cost beside them, reach ``chunk_bytes``.
+
+        Or once its first frame is ``flush_every`` seconds old: a slow loop with small outputs sends
+        (and rank dst writes) them in time, not only at close (`Settings.commit_every`).
+        """
+        now = time.monotonic()
+        if self.chunk_since is None:
+            self.chunk_since = now
+        full = self.store.nbytes + _CHUNK_BYTES_PER_FILE * len(self.store.names) >= self.chunk_bytes
+        if full or (len(self.store) and now - self.chunk_since >= self.flush_every):
             self.put(self._chunk(self.store))
             self.store = self._new_store()
+            self.chunk_since = None
 
     def _new_store(self) -> FrameStore:
         return FrameStore(self.copy, self.saved.layouts, self.fixed)
@@ -112,13 +128,14 @@ class _Side:
 
     def put(self, item: Any) -> None:
         """From the user's thread: queue an item, waiting while the queue is full, not past a failure."""
-        while True:
-            try:
-                self.queue.put(item, timeout=0.05)
-                return
-            except queue.Full:
-                if self.failure is not None:
-                    raise self.failure from None
+        with self.progress.waiting():
+            while True:
+                try:
+                    self.queue.put(item, timeout=0.05)
+                    return
+                except queue.Full:
+                    if self.failure is not None:
+                        raise self.failure from None
 
 
 class Sender(_Side):
@@ -130,7 +147,9 @@ class Sender(_Side):
     relay = False  # a stream that carries no frames (`Uplink`)
 
     def __init__(self, settings: Settings, call: Call) -> None:
-        super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy, settings.fixed)
+        super().__init__(
+            settings.chunk_bytes, settings.max_pending, settings.copy, settings.fixed, settings.flush_every
+        )
         self.timeout, self.dst = settings.timeout, settings.dst
         self.ch = call.channel(settings.dst)  # its send and receive sequences are independent
         self.heartbeat = heartbeat_interval(self.timeout)
@@ -138,9 +157,10 @@ class Sender(_Side):
         self.pending_peak = 0
         self.on_fail: Any = None  # a writer's: its own Destination fails with it
         self.done: dict = {}  # what ``done`` carries besides the frames: a writer's part
+        self.stalled: StalledError | None = None  # the loop is stuck: the send thread ends the stream
         ready = self.ch.recv_answer()  # 1. rank dst says whether the output can be written
         if ready.kind == Kind.ERROR:
-            raise peer_error(settings.dst, ready.header)
+            raise peer_error(self.ch, ready.header)
         if "saved" in ready.header:
             self.saved = Saved.from_wire(ready.header["saved"], settings.dst)
             self.store = self._new_store()
@@ -173,10 +193,18 @@ class Sender(_Side):
             self.on_fail(e)
         return first
 
+    def stall(self, e: StalledError) -> None:
+        """From the watchdog: the loop is stuck. The queued chunks go, then ``error`` ends the stream."""
+        if self.fail(e):
+            self.stalled = e
+
     def _send_loop(self) -> None:
         last = time.monotonic()
         try:
             while True:
+                if self.stalled is not None and self.queue.empty():  # the loop will not end the stream
+                    self.ch.wait(end_stream(self.ch, error=self.stalled), "the error message")
+                    return
                 if self.failure is not None and (self.answer is not None or self.relay):  # end the stream now,
                     raise self.failure  # not at the loop's next add(), which may be far off
                 try:
@@ -211,7 +239,7 @@ class Sender(_Side):
             self.fail(e)
             return
         if answer.kind == Kind.ERROR:
-            self.fail(peer_error(self.dst, answer.header))
+            self.fail(peer_error(self.ch, answer.header))
         self.answer = answer  # after the failure is recorded: the send loop reads both
 
     def status(self) -> CollectorStatus:
@@ -298,7 +326,9 @@ class Destination(_Side):
     writer_number: int | None = None  # numbers this writer's shards (several writers)
 
     def __init__(self, settings: Settings, call: Call | None, rank: int, peers: list[int]) -> None:
-        super().__init__(settings.chunk_bytes, settings.max_pending, settings.copy, settings.fixed)
+        super().__init__(
+            settings.chunk_bytes, settings.max_pending, settings.copy, settings.fixed, settings.flush_every
+        )
         _return_freed_memory()
         col = self.settings = settings
         self.rank, self.start = rank, time.perf_counter()
@@ -314,8 +344,10 @@ class Destination(_Side):
         # alive until then (launchers stop every process as soon as one exits with an error)
         self.held: set[int] = set()
         self.duplicates = DuplicateCounts()  # dropped within spills; the writer counts those against the disk
+        self.pending = Pending()  # the shard being gathered from spills, until it is written
         self.pool = BufferPool(col.pool_bytes)  # received buffers, reused within the budget
         sweep()  # segments left on this host by processes that died (a sender killed mid-write)
+        self.peer_segments = PeerSegments()  # the peers' segment writers: a lost peer's are removed at the end
         try:
             self.user_metadata = user_metadata(col.metadata)  # before any file: a bad value fails every rank now
             self.writer = self._make_sink()
@@ -335,13 +367,13 @@ class Destination(_Side):
                 else f"its connection closed after {waited:.1f} s, before it opened its Collector: it probably "
                 "failed or died before this call (its log has the error)"
             )
-            error = PeerLostError(min(late), "PeerLost", why)
+            error = PeerLostError(min(late), "PeerLost", why, self.channels[min(late)].peer_global)
             self.answers.answer_all(Kind.ERROR, error_header(error))
             self.writer.discard()  # nothing was received: leave nothing that blocks a rerun
             raise error
         self.answers.start()
-        enabled = col.progress if col.progress is not None else sys.stderr.isatty()
-        self.bar = tqdm(desc="tdgather", unit=" frames", disable=not enabled, dynamic_ncols=True, file=sys.stderr)
+        # a bar on a terminal, else lines in the log (at least every commit)
+        self.report = Report(col.progress, self._describe, min(LOG_EVERY, col.commit_every))
         self.receivers = [Job(self._receive_loop, f"tdgather-recv-{p}", (p,)) for p in peers]
         self.writer_thread = Job(self._write_loop, "tdgather-write")
         for t in [*self.receivers, self.writer_thread]:
@@ -398,6 +430,7 @@ class Destination(_Side):
                     taken: list = []
                     parts = read_frames(ch, msg, functools.partial(self.pool.take, into=taken))
                     self.shared_chunks += msg.header.shm is not None
+                    self.peer_segments.note(peer, msg.header.shm)
                     frames += msg.header.num_frames
                     self.queue.put(("parts", peer, (parts, taken)))
         except BaseException as e:
@@ -409,10 +442,25 @@ class Destination(_Side):
         self.queue.put(("end", peer, end))  # the writer consumes until every source has ended
 
     def _write_loop(self) -> None:
-        """Write everything that arrives, after a failure elsewhere too, until a write itself fails."""
+        """Write everything that arrives, after a failure elsewhere too, until a write itself fails.
+
+        Each spill is merged into the shard being gathered (``self.pending``), which is written once
+        full (`tdgather.api.settings.Pending`), when due, and at the end.
+        """
         spill, open_sources = Spill(), {*self.channels, self.rank}
+        tick = min(1.0, self.settings.commit_every / 4)
         while open_sources:
-            kind, src, item = self.queue.get()
+            try:
+                kind, src, item = self.queue.get(timeout=tick)
+            except queue.Empty:  # nothing arrived: what is held is still written in time (`Settings.commit_every`)
+                self.report.tick()
+                due = (spill.parts and spill.due(self.settings)) or self.pending.due(self.settings)
+                if due and not self.write_failed:
+                    self._spill(spill, write=True)
+                    self.pool.give(spill.buffers)
+                    spill = Spill()
+                continue
+            self.report.tick()
             if kind == "end":
                 open_sources.discard(src)
                 if item is not None:
@@ -432,53 +480,77 @@ class Destination(_Side):
                 self.fail_all(e)
                 continue
             spill.add(parts, buffers, size + bookkeeping_bytes(parts, frames), size)
-            if spill.full(self.settings):
-                self._spill(spill.parts)
-                self.pool.give(spill.buffers)  # written: the buffers take the next chunks
+            due = spill.due(self.settings) or self.pending.due(self.settings)
+            if spill.full(self.settings, self.pending.nbytes) or due:
+                self._spill(spill, write=due)
+                self.pool.give(spill.buffers)  # merged or written: the buffers take the next chunks
                 spill = Spill()
-        if spill.parts:
-            self._spill(spill.parts)
+        if spill.parts or self.pending.groups:
+            self._spill(spill, write=True)
 
-    def _spill(self, parts: list) -> None:
-        """Plan the buffer (lowest rank first, so its copy of a duplicate is kept) and write it.
+    def _spill(self, spill: Spill, write: bool = False) -> None:
+        """Merge the spill into the shard being gathered (``self.pending``); write that shard when full, or ``write``.
 
-        Large rows are written straight from the received buffers (`tdgather.core.merge.Rows`); small
-        ones are merged into new buffers first.
+        The shard's frames come first, then the spill's lowest rank first, so the copy of a
+        duplicate that came first is kept. A shard that is written is merged ``by_reference``:
+        large rows are written straight from the received buffers (`tdgather.core.merge.Rows`),
+        small ones merged into new buffers first; a shard that gathers on is a copy, and the
+        received buffers go back to the pool, less its full shards of ``max_shard_bytes``, written now.
 
         A conflict fails the run, but the writer is sound: it goes on writing what arrives, so
         that what was received is saved. Of a duplicate the policy refuses, one copy is kept; of a
-        filename sent with two layouts, the frames of the layout that came first (lowest rank
-        first within a spill; the one on disk, after). A failed write stops writing.
+        filename sent with two layouts, the frames of the layout that came first (in the shard
+        being gathered, lowest rank first within a spill; the one on disk, after). A failed write stops writing.
         """
         if self.write_failed:
             return
-        parts = sorted(parts, key=lambda p: p.rank)
         mismatches: Mismatches = {}
         try:
+            write = write or self.pending.full(self.settings, spill)
+            parts = [*self.pending.parts(), *sorted(spill.parts, key=lambda p: p.rank)]
+            since = self.pending.since if self.pending.groups else spill.since
             try:
-                merged = merge(parts, self.policy, by_reference=True, mismatches=mismatches, fixed=self.settings.fixed)
-                self.writer.write(merged, None, mismatches)
+                merged = merge(parts, self.policy, by_reference=write, mismatches=mismatches, fixed=self.settings.fixed)
             except DuplicateFrameError as e:
-                self.fail_all(e)
-                self.policy = DuplicatePolicy("keep")
-                self.writer.set_policy(self.policy)
-                merged = merge(parts, self.policy, by_reference=True, mismatches=mismatches, fixed=self.settings.fixed)
-                self.writer.write(merged, None, mismatches)
+                self._keep_copies(e)
+                merged = merge(parts, self.policy, by_reference=write, mismatches=mismatches, fixed=self.settings.fixed)
             self.duplicates += merged.duplicates
+            if write:
+                self.pending = Pending()
+                self._write(merged, mismatches)
+            else:
+                shards, self.pending = Pending.gather(merged.groups, since, self.settings)
+                for groups in shards:
+                    self._write(Merged(groups), mismatches)
         except BaseException as e:
             self.write_failed = True
             self.fail_all(e)
         for _, error in mismatches.values():
             self.fail_all(error)
 
+    def _write(self, merged: Merged, mismatches: Mismatches) -> None:
+        """Write merged frames as shards; a copy on disk that the policy refuses fails the run, and they are written."""
+        try:
+            self.writer.write(merged, None, mismatches)
+        except DuplicateFrameError as e:  # raised before anything is written
+            self._keep_copies(e)
+            self.writer.write(merged, None, mismatches)
+
+    def _keep_copies(self, e: DuplicateFrameError) -> None:
+        """A copy the policy refuses: the run fails, and from now on one copy of each frame is kept."""
+        self.fail_all(e)
+        self.policy = DuplicatePolicy("keep")
+        self.writer.set_policy(self.policy)
+
     def _progress(self, frames: int) -> None:
-        if self.bar.disable:
-            return
+        self.report.frames(frames)
+
+    def _describe(self) -> str:
+        """The progress text after the frame count: bytes, shards written, per rank (up to 8 ranks)."""
         ranks = self.received_bytes.items()
         per_rank = " ".join(f"r{r}:{self.received[r]}/{b / 1e6:.0f}MB" for r, b in ranks) if len(ranks) <= 8 else ""
         total = sum(self.received_bytes.values()) / 1e6
-        self.bar.set_postfix_str(f"{total:.0f} MB, {len(self.writer.shards)} shards {per_rank}", refresh=False)
-        self.bar.update(frames)
+        return f"{total:.0f} MB, {len(self.writer.shards)} shards {per_rank}".rstrip()
 
     def fail_all(self, e: BaseException) -> bool:
         """Fail every stream: record ``e`` and answer every sender ``error``; True when ``e`` is the first failure."""
@@ -486,6 +558,14 @@ class Destination(_Side):
         if first:  # every sender learns at once; one that failed itself, after its frames are saved
             self.answers.answer_all(Kind.ERROR, error_header(e), skip=self.held)
         return first
+
+    def stall(self, e: StalledError) -> None:
+        """From the watchdog: this rank's loop is stuck; every peer is answered ``error`` naming it.
+
+        What reached this rank is written as it arrives; the shards it commits stay readable with
+        ``incomplete=True``, as when it is killed (the loop that would write the record is stuck).
+        """
+        self.fail_all(e)
 
     def status(self) -> CollectorStatus:
         """Rank dst's (or a writer's) progress."""
@@ -504,7 +584,7 @@ class Destination(_Side):
         self.writer_thread.join()
         for t in self.receivers:
             t.join()
-        self.bar.close()
+        self.report.close()
         self.check()
         combining = time.perf_counter()
         self._combine()
@@ -512,7 +592,9 @@ class Destination(_Side):
         dups = self.all_duplicates
         meta = {USER_KEY: self.user_metadata, "duplicates_dropped": dups.dropped, "duplicates": dups.to_json()}
         self.writer.commit(meta)
-        return self._answer_done(dups, closing, combined)
+        summary = self._answer_done(dups, closing, combined)
+        self.peer_segments.remove(self.answers.lost)  # a peer lost after its last chunk: nobody else removes them
+        return summary
 
     def _combine(self) -> None:
         """Before the commit: nothing, with one writer (`Coordinator` reads the others' shards here)."""
@@ -522,6 +604,9 @@ class Destination(_Side):
         self.answers.answer_all(Kind.DONE, {"frames": self.writer.frames})
         self.answers.stop()
         end = time.perf_counter()
+        overlap = self._overlap(dups)
+        if overlap is not None:
+            log.warning("tdgather: %s", overlap)
         return CollectorSummary(
             path=str(self.settings.path),
             frames=self.writer.frames,
@@ -534,7 +619,24 @@ class Destination(_Side):
             duplicates=dups,
             combine_seconds=combined,
             shared_chunks=self.shared_chunks,
+            warnings=(overlap,) if overlap is not None else (),
         )
+
+    def _overlap(self, dups: DuplicateCounts) -> str | None:
+        """More copies dropped than a padding sampler makes: the ranks' shares overlapped (`overlap_warning`).
+
+        Not for a resumed run, which drops the frames sent again that earlier attempts saved.
+        """
+        ranks = len(self.received)
+        if dups.dropped <= ranks - 1 or self.saved:  # within any padding, whatever a filename's frames
+            return None
+        catalog = getattr(self.writer, "catalog", None)
+        most = (
+            catalog.max_frames()
+            if catalog is not None
+            else max((f["frames"] for f in self.writer.files.values()), default=0)
+        )
+        return overlap_warning(dups.dropped, ranks, most)
 
     def _end_local(self) -> None:
         if not self.local_ended:
@@ -557,7 +659,7 @@ class Destination(_Side):
         self.writer_thread.join()
         for t in self.receivers:
             t.join()
-        self.bar.close()
+        self.report.close()
         dups = self.all_duplicates
         meta = {
             USER_KEY: self.user_metadata,
@@ -571,6 +673,7 @@ class Destination(_Side):
         finally:
             self.answers.answer_all(Kind.ERROR, error_header(self.failure))  # the held peers: saved now
             self.answers.stop()
+            self.peer_segments.remove(self.answers.lost)  # a lost peer's ring stays in /dev/shm otherwise
 
 
 class Coordinator(Destination):

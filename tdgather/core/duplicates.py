@@ -29,7 +29,7 @@ from .frames import Layout
 from .ragged import Ragged
 from .rows import row_view
 
-__all__ = ["DuplicateCounts", "DuplicatePolicy", "Verdict", "compare", "conflict", "json_same"]
+__all__ = ["DuplicateCounts", "DuplicatePolicy", "Verdict", "compare", "conflict", "json_same", "overlap_warning"]
 
 _MODES = ("keep", "exact", "close")
 
@@ -211,4 +211,28 @@ def conflict(name: str, frame: int, how: str, policy: Any, who: str, where: str 
         "frame from DistributedSampler padding differ in the last bits when the model ran them in other batches: "
         "use duplicates='keep' (the default) or a wider tolerance; if two different predictions claim the same "
         "frame, check how frames are assigned to ranks"
+    )
+
+
+def overlap_warning(dropped: int, ranks: int, max_frames: int, padding: bool = True) -> str | None:
+    """Why copies dropped are not a padding sampler's, and what it means; None when they may be.
+
+    ``DistributedSampler`` pads with at most ``ranks - 1`` samples, and a sample is at most one
+    filename's frames, so padding makes at most ``(ranks - 1) * max_frames`` copies. More means
+    the ranks' shares overlapped (a shuffling sampler seeded differently on each rank, a loader that
+    is not split by rank), and as many other frames were never predicted. With ``padding=False``
+    (a sampler that never pads, as Lightning's predict loop uses) any copy means that.
+
+    >>> overlap_warning(1, 2, 1) is None, overlap_warning(6, 2, 1)[:33]
+    (True, '6 copies of frames were predicted')
+    """
+    limit = (ranks - 1) * max_frames if padding else 0
+    if dropped <= limit:
+        return None
+    bound = f"a padding DistributedSampler makes at most {limit}" if padding else "this loop's sampler never pads"
+    return (
+        f"{dropped} copies of frames were predicted more than once and dropped as duplicates, but {bound}: the "
+        f"ranks' shares overlapped, so about {dropped} other frames were probably never predicted. Check the number "
+        "of frames saved against your dataset; give every rank the same sampler seed (torch.manual_seed / "
+        "lightning.seed_everything before building the loader, or DistributedSampler(seed=...)), or shuffle=False"
     )

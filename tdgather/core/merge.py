@@ -25,7 +25,7 @@ from .frames import Frames
 from .plan import Group, Mismatches, Part, Placement, keep_first_layouts, place, scatter_chunks
 from .ragged import Ragged
 
-__all__ = ["REF_RUN_BYTES", "Merged", "Rows", "merge"]
+__all__ = ["REF_RUN_BYTES", "Merged", "Rows", "as_parts", "cut_groups", "group_bytes", "merge"]
 
 # Rows are written by reference when their runs average at least this: a gathered write of
 # ~48 KiB rows is as fast as one of 8 MiB, while small rows are cheaper copied together first.
@@ -230,6 +230,79 @@ def ranks_of(parts: list[Part]) -> dict[str, set[int]]:
     """For each filename, the ranks whose parts hold frames of it."""
     ranks: dict[str, set[int]] = {}
     for part in parts:
+        if part.row_rank is not None:  # rows of several ranks: each (filename, rank) once
+            pairs = torch.unique(torch.stack([part.file_ids, part.row_rank.to(torch.int64)]), dim=1)
+            for f, r in pairs.t().tolist():
+                ranks.setdefault(part.files[f], set()).add(r)
+            continue
         for name in part.names:
             ranks.setdefault(name, set()).add(part.rank)
     return ranks
+
+
+def as_parts(groups: list[Group]) -> list[Part]:
+    """Merged groups taken back in as parts, one a group, for a later merge (their rows keep their senders).
+
+    The groups must hold tensors (a merge without ``by_reference``): a part's chunk is each leaf's
+    rows (a ragged leaf's value rows, with each frame's count), no copy.
+    """
+    out = []
+    for g in groups:
+        counts = torch.tensor(g.counts, dtype=torch.int64)
+        file_ids = torch.repeat_interleave(torch.arange(len(g.files)), counts, output_size=g.num_frames)
+        chunk, lengths = [], []
+        for column in g.leaves:
+            if isinstance(column, Ragged):
+                values, n = column.span()
+                chunk.append(values)
+                lengths.append(n)
+            else:
+                chunk.append(column)
+                lengths.append(None)
+        if all(n is None for n in lengths):
+            lengths = []
+        rank = g.rank if g.rank is not None else torch.full((g.num_frames,), -1, dtype=torch.int32)
+        first = int(rank[0]) if g.num_frames else -1
+        out.append(Part(first, g.layout, g.files, file_ids, g.frame_idx, g.json, [chunk], lengths, rank))
+    return out
+
+
+def group_bytes(g: Group) -> int:
+    """Tensor bytes of a group's frames: its fixed leaves' rows and its ragged leaves' values."""
+    return sum(column.nbytes for column in g.leaves)
+
+
+def cut_groups(groups: list[Group], limit: int) -> tuple[list[Group], list[Group]]:
+    """``groups`` cut in two at a filename: the first holds at most ``limit`` bytes (at least one filename).
+
+    Bytes as a shard counts them: each frame's tensor bytes and its frame_idx (8). The groups are
+    taken in order, and the one that does not fit is cut (views, no copy).
+    """
+    head: list[Group] = []
+    room = limit
+    for k, g in enumerate(groups):
+        sizes = _file_bytes(g)
+        total = int(sizes[-1]) if sizes.numel() else 0
+        if total <= room:
+            head.append(g)
+            room -= total
+            continue
+        n = int(torch.searchsorted(sizes, room, right=True))  # filenames that fit
+        n = max(n, 0 if head else 1)
+        if n:
+            head.append(g.files_slice(0, n))
+        rest = [g.files_slice(n, len(g.files))] if n < len(g.files) else []
+        return head, rest + groups[k + 1 :]
+    return head, []
+
+
+def _file_bytes(g: Group) -> torch.Tensor:
+    """The running total of each filename's bytes in ``g`` (int64 ``[files]``): tensor bytes and frame_idx."""
+    counts = torch.tensor(g.counts, dtype=torch.int64)
+    sizes = counts * (g.layout.frame_nbytes + 8)
+    ends = torch.cumsum(counts, 0)
+    for leaf, column in zip(g.layout.leaves, g.leaves, strict=True):
+        if isinstance(column, Ragged):  # its values: each filename's rows
+            bound = column.offsets[torch.cat([ends.new_zeros(1), ends])]
+            sizes = sizes + bound.diff() * leaf.row_nbytes
+    return torch.cumsum(sizes, 0)

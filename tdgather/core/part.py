@@ -20,7 +20,9 @@ class Part:
     consecutive batches of rows (``chunks[c][j]`` is leaf ``j`` of batch ``c``); it is empty while
     the payload is still on the wire. A ragged leaf ``j``'s chunks hold its values' rows, and
     ``lengths[j]`` (int64 ``[n]``) how many each frame has; ``lengths`` is empty when no leaf is
-    ragged, else None for each leaf that is not.
+    ragged, else None for each leaf that is not. ``row_rank`` (int32 ``[n]``), where given, is each
+    row's sender: a merge's result taken back in as a part (`tdgather.core.merge.as_parts`) holds
+    rows of several ranks; else every row is ``rank``'s.
     """
 
     rank: int
@@ -31,6 +33,7 @@ class Part:
     json: list[list]
     chunks: list[list[torch.Tensor]] = field(default_factory=list)
     lengths: list[torch.Tensor | None] = field(default_factory=list)
+    row_rank: torch.Tensor | None = None
 
     @property
     def num_frames(self) -> int:
@@ -51,6 +54,25 @@ class Part:
             if n is not None
         ]
         return self.num_frames * self.layout.frame_nbytes + sum(values)
+
+    def ranks(self) -> torch.Tensor:
+        """int32 ``[n]``: each row's sender."""
+        if self.row_rank is not None:
+            return self.row_rank
+        return torch.full((self.num_frames,), self.rank, dtype=torch.int32)
+
+    def rank_of(self, name: str) -> int:
+        """The sender of the first row of ``name`` (``rank``, unless the rows came from several ranks)."""
+        return self.rank if self.row_rank is None else self._first_ranks[name]
+
+    @cached_property
+    def _first_ranks(self) -> dict[str, int]:
+        n = self.num_frames
+        first = torch.full((len(self.files),), n, dtype=torch.int64)
+        first.scatter_reduce_(0, self.file_ids, torch.arange(n), "amin")
+        used = (first < n).nonzero().flatten()
+        ranks = self.row_rank.index_select(0, first[used]).tolist()
+        return {self.files[i]: r for i, r in zip(used.tolist(), ranks, strict=True)}
 
     @cached_property
     def names(self) -> list[str]:

@@ -88,6 +88,20 @@ class Group:
             None if self.rank is None else self.rank[rows],
         )
 
+    def files_slice(self, lo: int, hi: int) -> Group:
+        """The frames of ``files[lo:hi]``, as a group: views of this one's buffers."""
+        a = self.starts[lo] if lo < len(self.files) else self.num_frames
+        b = self.starts[hi] if hi < len(self.files) else self.num_frames
+        return Group(
+            self.layout,
+            self.files[lo:hi],
+            self.counts[lo:hi],
+            self.frame_idx[a:b],
+            [t[a:b] for t in self.leaves],
+            [values[a:b] for values in self.json],
+            None if self.rank is None else self.rank[a:b],
+        )
+
     def frames(self, i: int) -> Frames:
         """The `Frames` of ``files[i]``: views of the group's buffers."""
         lo, n = self.starts[i], self.counts[i]
@@ -235,15 +249,16 @@ def place(
         if not part.num_frames:
             continue
         for name in () if one_layout else part.names:
-            layout, rank = owner.setdefault(name, (part.layout, part.rank))
+            layout, rank = owner.setdefault(name, (part.layout, part.rank_of(name)))
             if layout != part.layout and name not in (mismatches or ()):
+                other = part.rank_of(name)
                 sent = (
                     f"frames on rank {rank} have {layout.describe()} and {part.layout.describe()}"
-                    if rank == part.rank
-                    else f"rank {rank} sent {layout.describe()} but rank {part.rank} sent {part.layout.describe()}"
+                    if rank == other
+                    else f"rank {rank} sent {layout.describe()} but rank {other} sent {part.layout.describe()}"
                 )
                 error = ShapeMismatchError(
-                    f"filename {name!r}: {sent} (ranks {sorted({rank, part.rank})}); {SAME_LAYOUT}"
+                    f"filename {name!r}: {sent} (ranks {sorted({rank, other})}); {SAME_LAYOUT}"
                     f"{ragged_hint(layout, part.layout)}"
                 )
                 if mismatches is None:
@@ -271,9 +286,12 @@ def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
     idx = torch.cat([p.frame_idx for p in parts])
     sizes = [p.num_frames for p in parts]
     total = idx.numel()
-    row_rank = torch.repeat_interleave(
-        torch.tensor([p.rank for p in parts], dtype=torch.int32), torch.tensor(sizes, dtype=torch.int64)
-    )
+    if any(p.row_rank is not None for p in parts):  # a merge's result among them: rows of several ranks
+        row_rank = torch.cat([p.ranks() for p in parts])
+    else:
+        row_rank = torch.repeat_interleave(
+            torch.tensor([p.rank for p in parts], dtype=torch.int32), torch.tensor(sizes, dtype=torch.int64)
+        )
     none = torch.empty(0, dtype=torch.int64)
     # 1. sort by (file, frame_idx), stably: one sort of a joint key where it fits in int64; where
     # the keys are dense and distinct (no copies), their ranks are counted instead (no sort)

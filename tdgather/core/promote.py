@@ -126,7 +126,7 @@ def promote_part(part: Part, layout: Layout) -> Part:
             lengths[j] = _rows(part.num_frames, x.shape[0])
             for c in chunks:
                 c[j] = _values(c[j], x)
-    return Part(part.rank, layout, part.files, part.file_ids, part.frame_idx, part.json, chunks, lengths)
+    return Part(part.rank, layout, part.files, part.file_ids, part.frame_idx, part.json, chunks, lengths, part.row_rank)
 
 
 def unify(parts: list[Part]) -> list[Part]:

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from ..errors import ProtocolError
 from ..core.frames import Layout, Leaf
-from .pack import PIECE_MIN, PIECE_TARGET, Packed
 from ..core.plan import Part
+from ..errors import ProtocolError
+from .pack import PIECE_MIN, PIECE_TARGET, Packed
 from .shm import SegmentWriter, open_segment
 from .transport import Channel, Message, peer_error
 from .wire import DataHeader, Kind, error_header, segment_offsets
@@ -200,7 +200,7 @@ def read_frames(ch: Channel, msg: Message, take: Callable[[int], torch.Tensor] |
 def expect_done(ch: Channel, msg: Message, frames: int) -> None:
     """Check that ``msg`` ends the stream after ``frames`` frames; raise the peer's error if it is one."""
     if msg.kind == Kind.ERROR:
-        raise peer_error(ch.peer, msg.header)
+        raise peer_error(ch, msg.header)
     if msg.kind != Kind.DONE:
         raise ProtocolError(ch.peer, "prelude.kind", f"expected done (2) or error (3), got {int(msg.kind)}")
     if msg.header["frames"] != frames:

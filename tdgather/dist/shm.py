@@ -24,10 +24,13 @@ segment back by renaming it to its name again (`SegmentWriter.write`). A sender 
 one: with none handed back, the chunk goes into a new segment, unlinked by rank dst as it maps it.
 
 Lifetime: a segment is written whole before its header is sent, so a sender killed mid-write
-loses only that chunk; the file it leaves is removed by the next tdgather on that host whose
-process (in the writer's PID namespace) finds the writer's pid dead (`sweep`), and a sender removes at close whatever of its own
-rank dst did not take, and its ring. Where the directory is missing, not writable or would keep less than
-``TDGATHER_SHM_SPARE`` bytes free (default 64 MiB), the chunk goes over gloo (one log line).
+loses only that chunk. A sender removes at close whatever of its own rank dst did not take, and
+its ring. A sender lost mid-run (killed, hung) cannot: rank dst removes, when the run ends, every
+segment of the writers that peer named in its data messages (`PeerSegments`: its ring, and a
+chunk it was killed writing). What a sender leaves before its first data message reached rank dst
+is removed by the next tdgather on that host whose process (in the writer's PID namespace) finds
+the writer's pid dead (`sweep`). Where the directory is missing, not writable or would keep less
+than ``TDGATHER_SHM_SPARE`` bytes free (default 64 MiB), the chunk goes over gloo (one log line).
 ``TDGATHER_SHM=0`` turns the path off (the benchmarks' ``--gloo-only``).
 """
 
@@ -41,8 +44,10 @@ import os
 import re
 import secrets
 import socket
+import stat
 import warnings
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +56,19 @@ import torch
 
 from ..core.checks import ProtocolCheck
 
-__all__ = ["FREE", "RING", "SEGMENT_NAME", "SegmentWriter", "host_token", "open_segment", "pid_namespace", "ring_size", "shm_dir", "sweep"]
+__all__ = [
+    "FREE",
+    "RING",
+    "SEGMENT_NAME",
+    "PeerSegments",
+    "SegmentWriter",
+    "host_token",
+    "open_segment",
+    "pid_namespace",
+    "ring_size",
+    "shm_dir",
+    "sweep",
+]
 
 log = logging.getLogger("tdgather")
 
@@ -76,7 +93,11 @@ def shm_dir() -> Path | None:
         return path
     if str(path) not in _said:
         _said.add(str(path))
-        log.info("tdgather: shared memory unavailable: %s is not a writable directory (TDGATHER_SHM_DIR); gloo carries every chunk", path)
+        log.info(
+            "tdgather: shared memory unavailable: %s is not a writable directory (TDGATHER_SHM_DIR); "
+            "gloo carries every chunk",
+            path,
+        )
     return None
 
 
@@ -213,6 +234,7 @@ class SegmentWriter:
             self.warned = True
 
     def remove(self, path: Path) -> None:
+        """Remove one of its segments, if it is there."""
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 
@@ -251,7 +273,9 @@ def open_segment(name: Any, size: int, src: int, keep: bool = False) -> torch.Te
     back once the last view of the mapping is gone.
     """
     if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name):
-        raise ProtocolCheck(src).fail("header.shm.name", "a segment name tdgather makes ('tdgather-<pid>-<namespace>-<token>-<n>')", name)
+        raise ProtocolCheck(src).fail(
+            "header.shm.name", "a segment name tdgather makes ('tdgather-<pid>-<namespace>-<token>-<n>')", name
+        )
     where = shm_dir()
     if where is None:
         raise ProtocolCheck(src).fail("header.shm", "no segment: shared memory is off on rank dst", name)
@@ -267,7 +291,9 @@ def open_segment(name: Any, size: int, src: int, keep: bool = False) -> torch.Te
         fits = st.st_size >= size if keep else st.st_size == size
         if not (st.st_mode & 0o170000 == 0o100000 and st.st_uid == os.getuid() and fits):
             expected = f"a regular file of user {os.getuid()} of {'at least ' if keep else ''}{size} bytes"
-            raise ProtocolCheck(src).fail("header.shm", expected, f"mode {oct(st.st_mode)}, user {st.st_uid}, {st.st_size} bytes")
+            raise ProtocolCheck(src).fail(
+                "header.shm", expected, f"mode {oct(st.st_mode)}, user {st.st_uid}, {st.st_size} bytes"
+            )
         # read-only and shared: nothing is copied, and its pages are mapped at once (not one fault per page)
         populate = getattr(mmap, "MAP_POPULATE", 0)
         mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ) if size else None
@@ -285,6 +311,56 @@ def open_segment(name: Any, size: int, src: int, keep: bool = False) -> torch.Te
     with warnings.catch_warnings():  # a read-only buffer: its views are read, never written
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+class PeerSegments:
+    """The segment writers each peer named in its data messages: rank dst removes a lost peer's segments.
+
+    A writer is the ``tdgather-<pid>-<namespace>-<token>`` its segment names start with; its token is
+    drawn per `SegmentWriter` (one per sender and run), so it names that sender's segments of this
+    run only: its ring (held or handed back), and a chunk it was killed writing, named or not.
+    """
+
+    def __init__(self) -> None:
+        self.writers: dict[int, set[str]] = {}
+
+    def note(self, peer: int, shm: tuple[str, int, bool] | None) -> None:
+        """A data message of ``peer`` with segment ``shm`` (its header's ``(name, size, keep)``, or None)."""
+        m = SEGMENT_NAME.fullmatch(shm[0]) if shm is not None else None
+        if m is not None:
+            self.writers.setdefault(peer, set()).add(_writer(m))
+
+    def remove(self, peers: Iterable[int]) -> int:
+        """Remove every segment of the writers ``peers`` named (this user's files only); return how many.
+
+        For peers lost (killed, hung): no sender will remove them, and rank dst reads none of them again.
+        """
+        writers = set().union(*(self.writers.get(p, set()) for p in peers))
+        where = shm_dir()
+        if not writers or where is None:
+            return 0
+        names = set()
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(where):
+                m = SEGMENT_NAME.fullmatch(entry.name.removesuffix(FREE))
+                if m is not None and _writer(m) in writers:
+                    names.add(m.group(0))
+        gone = 0
+        for name in sorted(names):
+            for path in (where / name, where / (name + FREE)):  # in this order: a hand-back renames one to the other
+                with contextlib.suppress(OSError):
+                    st = path.lstat()
+                    if st.st_uid == os.getuid() and stat.S_ISREG(st.st_mode):
+                        path.unlink()
+                        gone += 1
+        if gone:
+            log.info("tdgather: removed %d shared memory segment(s) of lost peers in %s", gone, where)
+        return gone
+
+
+def _writer(m: re.Match) -> str:
+    """The writer of a segment name (``SEGMENT_NAME`` match): the name without its number."""
+    return m.group(0).rsplit("-", 1)[0]
 
 
 def pid_namespace() -> int:

@@ -53,6 +53,7 @@ __all__ = [
     "Message",
     "as_timeout",
     "begin_call",
+    "global_rank",
     "heartbeat_interval",
     "needs_side_group",
     "peer_error",
@@ -158,6 +159,17 @@ def _describe_ranks(ranks: list[int]) -> str:
     return str(ranks) if len(ranks) <= 16 else f"[{ranks[0]}, {ranks[1]}, ..., {ranks[-1]}] ({len(ranks)} ranks)"
 
 
+def global_rank(group: Any, rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank``: itself for the world (``None``), or without a process group.
+
+    Ranks on the wire and in a call's bookkeeping are group ranks; messages name the global rank beside
+    it (`tdgather.errors.rank_name`), as torchrun's logs do. A `Channel` maps its peer once, here.
+    """
+    if group is None or group is dist.group.WORLD or not (dist.is_available() and dist.is_initialized()):
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
 def heartbeat_interval(timeout: timedelta) -> float:
     """Seconds between heartbeats: a quarter of the timeout, at most 30 s."""
     return min(timeout.total_seconds() / 4, 30.0)
@@ -241,6 +253,7 @@ class Channel:
         label: str = "",
     ) -> None:
         self.group, self.peer, self.timeout = group, peer, timeout
+        self.peer_global = global_rank(group, peer)  # the peer's global rank, for messages
         self.limits = limits or Limits()
         self.rank = dist.get_rank(group)
         self.call = call  # (call number, dst, digest of kind and path): in every prelude, checked on receipt
@@ -369,7 +382,7 @@ class Channel:
                 "making this call: every rank of the group must make it, even with no frames), or it timed out "
                 "waiting for another rank (gloo then closes all its connections): check its log"
             )
-        return PeerLostError(self.peer, "PeerLost", cause)
+        return PeerLostError(self.peer, "PeerLost", cause, self.peer_global)
 
 
 class Answers:
@@ -460,6 +473,6 @@ class Answers:
             self._thread.join()
 
 
-def peer_error(peer: int, header: dict) -> PeerError:
-    """The exception for an ``error`` message from ``peer``."""
-    return PeerError(peer, header["type"], header["message"])
+def peer_error(ch: Channel, header: dict) -> PeerError:
+    """The exception for an ``error`` message from ``ch``'s peer (named by its global rank and group rank)."""
+    return PeerError(ch.peer, header["type"], header["message"], ch.peer_global)

@@ -30,6 +30,8 @@ from ..core.frames import Layout
 
 __all__ = [
     "CHECKSUM_VERSION",
+    "CRC32_MAX",
+    "CRC32_VERSION",
     "RAGGED_VERSION",
     "RUN_TAG",
     "shard_tag",
@@ -38,6 +40,7 @@ __all__ = [
     "INCOMPLETE_NAME",
     "INDEX_NAME",
     "INDEX_VERSION",
+    "RUN_NAME",
     "SHA256",
     "SHARD_NAME",
     "SHARD_PATTERN",
@@ -123,17 +126,20 @@ CHECKSUM_VERSION = 5  # ... shards listed with their size (and sha256); names ma
 # every writer since: a filename's segments may be in groups whose layouts differ in a leaf's first dim, or in
 # whether it is ragged (the leaf reads as ragged)
 RAGGED_VERSION = 6
-VERSIONS = (1, 2, INDEX_VERSION, WRITERS_VERSION, CHECKSUM_VERSION, RAGGED_VERSION)  # what this tdgather reads
+CRC32_VERSION = 7  # ... a local directory's shards listed with their CRC-32 too
+VERSIONS = (1, 2, INDEX_VERSION, WRITERS_VERSION, CHECKSUM_VERSION, RAGGED_VERSION, CRC32_VERSION)  # what it reads
 SHARD_VERSION = "2"  # a shard's __metadata__.version: how its tensors are named (below)
 SHARD_VERSIONS = ("1", SHARD_VERSION)  # the shard versions this tdgather reads
 INDEX_NAME = "tdgather.index.json"  # written last: its presence means "complete"
 INCOMPLETE_NAME = "tdgather.incomplete.json"  # what a failed run saved: in <name>.partial, or beside (a URL)
+RUN_NAME = "tdgather.run.json"  # the run that opened last, written before any shard (`tdgather.storage.runmark`)
 # shard-NNNNN, or shard-WWWWW-NNNNN (writer W); in an object store .RRRRRRRRRRRR-A before the suffix: the
 # first 12 hex digits of the run id and the attempt, so no run or attempt ever overwrites another's object
 SHARD_PATTERN = r"shard-[0-9]{5,}(-[0-9]{5,})?(\.[0-9a-f]{12}-[0-9]{1,9})?\.safetensors"
 SHARD_NAME = re.compile(SHARD_PATTERN)
 GROUP_NAME = re.compile(r"g[0-9]+")
 SHA256 = re.compile(r"[0-9a-f]{64}")  # a shard's checksum, as the index lists it (version 5 on)
+CRC32_MAX = 2**32 - 1  # a local shard's CRC-32 is an integer in 0..CRC32_MAX (version 7 on)
 
 
 _NAME = re.compile(r"shard-([0-9]{5,})(?:-([0-9]{5,}))?(?:\.([0-9a-f]{12})-([0-9]{1,9}))?\.safetensors")
@@ -173,11 +179,12 @@ def next_number(names: Iterable[str], writer: int | None) -> int:
 def index_version(shards: Mapping[str, Mapping]) -> int:
     """The index version of a dataset of these shards (name -> entry).
 
-    6 when each is listed with its size (and, in an object store, sha256): every writer since
+    7 when each is listed with its size and one is with its CRC-32 (a local directory's, written
+    since); 6 when each is listed with its size (and, in an object store, sha256): every writer since
     version 5 lists them; else 4 when a name carries its writer, else 3.
     """
     if shards and all("size" in entry for entry in shards.values()):
-        return RAGGED_VERSION
+        return CRC32_VERSION if any("crc32" in entry for entry in shards.values()) else RAGGED_VERSION
     return WRITERS_VERSION if any(shard_numbers(name)[0] is not None for name in shards) else INDEX_VERSION
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..core.checks import ProtocolCheck
 from ..core.duplicates import DuplicateCounts
-from .names import SHA256, SHARD_NAME, shard_name, shard_numbers
+from .names import CRC32_MAX, SHA256, SHARD_NAME, shard_name, shard_numbers
 
 __all__ = ["check_part", "check_run", "counts_of"]
 
@@ -27,26 +27,25 @@ __all__ = ["check_part", "check_run", "counts_of"]
 def check_part(obj: Any, src: int, writer: int) -> dict:
     """A writer's report, checked as hostile input: shard names of writer ``writer`` only, counts.
 
-    ``{"shards": {name: {"frames", "bytes", "size"[, "sha256"]}}, "frames_per_rank": [[rank, frames], ...],
+    ``{"shards": {name: {"frames", "bytes", "size"[, "sha256"][, "crc32"]}}, "frames_per_rank": [[rank, frames], ...],
     "duplicates": {"exact", "inexact", "max_abs_diff"}}``; raises `ProtocolError` naming ``src``.
     """
     c = ProtocolCheck(src)
     part = c.obj(obj, "done.part", {"shards", "frames_per_rank", "duplicates"})
     if not isinstance(part["shards"], dict):
-        raise c.fail("done.part.shards", "an object: shard name -> frames, bytes, size, sha256", part["shards"])
+        raise c.fail("done.part.shards", "an object: shard name -> frames, bytes, size, checksum", part["shards"])
     for name, entry in part["shards"].items():
         f = f"done.part.shards[{name!r}]"
         if not (SHARD_NAME.fullmatch(name) and shard_numbers(name)[0] == writer):
             raise c.fail(f, f"a shard name of writer {writer}, like {shard_name(writer, 0)!r}", name)
-        c.obj(
-            entry,
-            f,
-            {"frames", "bytes", "size"} | ({"sha256"} if isinstance(entry, dict) and "sha256" in entry else set()),
-        )
+        checksums = {"sha256", "crc32"} & set(entry) if isinstance(entry, dict) else set()
+        c.obj(entry, f, {"frames", "bytes", "size"} | checksums)
         for k in ("frames", "bytes", "size"):
             c.int(entry[k], f"{f}.{k}")
         if "sha256" in entry and not (isinstance(entry["sha256"], str) and SHA256.fullmatch(entry["sha256"])):
             raise c.fail(f"{f}.sha256", "64 lowercase hex digits", entry["sha256"])
+        if "crc32" in entry:
+            c.int(entry["crc32"], f"{f}.crc32", CRC32_MAX)
     for i, pair in enumerate(c.list(part["frames_per_rank"], "done.part.frames_per_rank")):
         rank, frames = c.list(pair, f"done.part.frames_per_rank[{i}]", 2)
         c.int(rank, f"done.part.frames_per_rank[{i}][0]"), c.int(frames, f"done.part.frames_per_rank[{i}][1]")

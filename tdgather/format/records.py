@@ -24,7 +24,7 @@ from typing import Any
 
 from ..core.checks import decode_layout
 from ..core.frames import Layout
-from .names import FORMAT, GROUP_NAME, SHA256, SHARD_NAME, SHARD_VERSION
+from .names import CRC32_MAX, FORMAT, GROUP_NAME, SHA256, SHARD_NAME, SHARD_VERSION
 
 __all__ = ["Attempt", "Failure", "FileEntry", "IndexMeta", "Segment", "ShardEntry", "ShardRecord"]
 
@@ -102,6 +102,7 @@ class ShardEntry:
         groups: each group's layout (``g<k>`` -> `Layout`), as its ``__metadata__`` records it.
         size: the shard file's size in bytes (index version 5 on; None before).
         sha256: the sha256 of the whole file, 64 lowercase hex digits (object stores, version 5 on; else None).
+        crc32: the CRC-32 of the whole file (zlib's), an integer (local directories, version 7 on; else None).
     """
 
     frames: int
@@ -109,13 +110,15 @@ class ShardEntry:
     groups: Mapping[str, Layout]
     size: int | None = None
     sha256: str | None = None
+    crc32: int | None = None
 
     @classmethod
     def from_json(cls, obj: Any, c: Any, where: str) -> ShardEntry:
         """A shard entry read from the index, every field and group layout checked."""
         keys = {"frames", "bytes", "groups"}
         if isinstance(obj, dict):
-            keys |= {"size", "sha256"} & set(obj) | ({"size"} if "sha256" in obj else set())
+            sums = {"sha256", "crc32"} & set(obj)
+            keys |= {"size"} & set(obj) | sums | ({"size"} if sums else set())
         c.obj(obj, where, keys)
         groups = {}
         for g, desc in c.mapping(obj["groups"], f"{where}.groups").items():
@@ -126,7 +129,9 @@ class ShardEntry:
         sha = obj.get("sha256")
         if "sha256" in keys and not (isinstance(sha, str) and SHA256.fullmatch(sha)):
             raise c.fail(f"{where}.sha256", "64 lowercase hex digits", sha)
-        return cls(c.int(obj["frames"], f"{where}.frames"), c.int(obj["bytes"], f"{where}.bytes"), groups, size, sha)
+        crc = c.int(obj["crc32"], f"{where}.crc32", CRC32_MAX) if "crc32" in keys else None
+        frames, nbytes = c.int(obj["frames"], f"{where}.frames"), c.int(obj["bytes"], f"{where}.bytes")
+        return cls(frames, nbytes, groups, size, sha, crc)
 
 
 @dataclass(frozen=True)

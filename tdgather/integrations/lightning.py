@@ -54,6 +54,7 @@ spawn ends the others at once: there a failure may leave ``.partial`` unlisted.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -63,8 +64,11 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_warn
 
 from ..api.collector import Collector, CollectorSummary
+from ..core.duplicates import overlap_warning
 
 __all__ = ["KeysFn", "PredictionWriter"]
+
+log = logging.getLogger("tdgather")
 
 KeysFn = Callable[[Any, Sequence[int], int], tuple[Any, Any]]
 """``keys(batch, batch_indices, dataloader_idx) -> (filenames, frame_idx)`` for one batch."""
@@ -235,3 +239,17 @@ class PredictionWriter(BasePredictionWriter):
             summary = col.close()
             if summary is not None:
                 self.summaries[idx] = summary
+                self._check_copies(summary)
+
+    def _check_copies(self, summary: Any) -> None:
+        """Lightning's predict sampler never pads: a copy dropped means a frame never predicted; say so loudly.
+
+        Not with ``resume=True``, whose frames sent again (saved by an earlier attempt) are dropped as copies.
+        """
+        if summary.warnings or self.collector_kwargs.get("resume"):  # the Collector has said it already
+            return
+        ranks = len(summary.frames_per_rank)
+        warning = overlap_warning(summary.duplicates_dropped, ranks, 0, padding=False)
+        if warning is not None:
+            log.warning("tdgather: %s", warning)
+            rank_zero_warn(f"tdgather: {warning}")

@@ -2,15 +2,15 @@
 
 Rank dst may write millions of filenames. A dict, a list and a segment dict per filename cost
 about a kilobyte each; here a filename costs its name in one dict (name -> id) and a few array
-slots, and each segment (a filename's rows in one shard) a few more:
+slots, and each segment (a filename's rows in one shard) a few more, never a Python object:
 
 - per filename: its layout (a number), its frame_idx written as one run ``lo..hi`` (or, when
   they form several runs, an int64 ``[k, 2]`` tensor in a side table), its first segment (its
-  later ones, when it has several, in a side table);
-- per segment: shard, group, first row, frames, the rank that sent its frames (or `MIXED`: a
-  per-row int32 tensor in a side table; `UNKNOWN`: an earlier attempt's).
+  later ones, when it has several, in an array in a side table);
+- per segment: shard, group, first row, frames, the rank that sent its frames (or `MIXED`: then
+  each row's, int32, in one flat array of them all; `UNKNOWN`: an earlier attempt's).
 
-The index's ``files`` object is written from these arrays a few filenames at a time (`json_chunks`).
+The index's ``files`` object is written from these arrays about a megabyte at a time (`json_chunks`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ __all__ = ["MIXED", "UNKNOWN", "Catalog"]
 UNKNOWN = -1  # a segment whose sender is not known here (an earlier attempt, another writer)
 MIXED = -2  # a segment whose rows came from several ranks: see `Catalog.rank_rows`
 _NONE = -1  # no segment
-_CHUNK_FILES = 4096  # filenames per piece of the index's JSON
+_CHUNK_CHARS = 1 << 20  # characters (about) per piece of the index's JSON
 
 
 class Catalog:
@@ -45,14 +45,15 @@ class Catalog:
         self._lo, self._hi = array("q"), array("q")  # the one run of frame_idx written, when one
         self._runs: dict[int, torch.Tensor] = {}  # filenames with several runs
         self._first = array("q")  # each filename's first segment
-        self._more: dict[int, list[int]] = {}  # filenames with several segments: the later ones
+        self._more: dict[int, array] = {}  # filenames with several segments: the later ones
         self._shards: list[str] = []
         self._shard_ids: dict[str, int] = {}
         self._groups: list[str] = []
         self._group_ids: dict[str, int] = {}
         self._seg_start, self._seg_frames = array("q"), array("q")
         self._seg_shard, self._seg_group, self._seg_rank = array("i"), array("i"), array("i")
-        self._rank_rows: dict[int, torch.Tensor] = {}  # MIXED segments: int32 rank per row
+        self._seg_rows = array("q")  # MIXED segments: where their rows' ranks start in ``_rank_rows``
+        self._rank_rows = array("i")  # MIXED segments' rank per row, one segment after another
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -85,10 +86,11 @@ class Catalog:
 
     def rank_rows(self, k: int) -> torch.Tensor:
         """Segment ``k``'s sender per row (int32), `UNKNOWN` where not known."""
-        rank = self._seg_rank[k]
+        rank, n = self._seg_rank[k], self._seg_frames[k]
         if rank == MIXED:
-            return self._rank_rows[k]
-        return torch.full((self._seg_frames[k],), rank, dtype=torch.int32)
+            at = self._seg_rows[k]
+            return torch.tensor(self._rank_rows[at : at + n], dtype=torch.int32)
+        return torch.full((n,), rank, dtype=torch.int32)
 
     def ranks(self, name: str) -> list[int]:
         """Every known rank that sent frames of ``name`` already written, sorted."""
@@ -134,17 +136,21 @@ class Catalog:
         self._seg_group.append(_intern(segment["group"], self._groups, self._group_ids))
         self._seg_start.append(segment["start"])
         self._seg_frames.append(segment["frames"])
+        self._seg_rows.append(len(self._rank_rows))
         if isinstance(rank, torch.Tensor):
             uniform = rank.numel() and bool((rank == rank[0]).all())
             self._seg_rank.append(int(rank[0]) if uniform else MIXED)
             if not uniform:
-                self._rank_rows[s] = rank.to(torch.int32).clone()
+                self._rank_rows.frombytes(rank.to(torch.int32).contiguous().numpy().tobytes())
         else:
             self._seg_rank.append(int(rank))
         if self._first[i] == _NONE:
             self._first[i] = s
         else:
-            self._more.setdefault(i, []).append(s)
+            more = self._more.get(i)
+            if more is None:
+                more = self._more[i] = array("q")
+            more.append(s)
 
     def _intern_layout(self, layout: Layout) -> int:
         return _intern(layout, self._layouts, self._layout_ids)
@@ -177,6 +183,10 @@ class Catalog:
         """Filenames with at least one segment."""
         return sum(1 for name in self.ids if self._frames(self.ids[name])[0])
 
+    def max_frames(self) -> int:
+        """The most frames one filename has (0 when there is none)."""
+        return max((self._frames(i)[0] for i in self.ids.values()), default=0)
+
     def _frames(self, i: int) -> tuple[int, list[int]]:
         segs = self._segments_of(i)
         return sum(self._seg_frames[s] for s in segs), segs
@@ -191,9 +201,9 @@ class Catalog:
         return out
 
     def json_chunks(self) -> Iterator[str]:
-        """The index's ``files`` object, filenames sorted, as `json.dumps` writes it, a piece at a time."""
+        """The index's ``files`` object, filenames sorted, as `json.dumps` writes it, about a megabyte at a time."""
         yield "{"
-        first, piece = True, []
+        first, piece, chars = True, [], 0
         for name in sorted(self.ids):
             total, segs = self._frames(self.ids[name])
             if not segs:
@@ -201,10 +211,11 @@ class Catalog:
             body = ", ".join(json.dumps(self._segment(s), ensure_ascii=False) for s in segs)
             key = json.dumps(name, ensure_ascii=False)
             piece.append(f'{"" if first else ", "}{key}: {{"frames": {total}, "segments": [{body}]}}')
+            chars += len(piece[-1])
             first = False
-            if len(piece) >= _CHUNK_FILES:
+            if chars >= _CHUNK_CHARS:
                 yield "".join(piece)
-                piece = []
+                piece, chars = [], 0
         yield "".join(piece) + "}"
 
 

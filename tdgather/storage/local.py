@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OutputError
-from ..format.names import INCOMPLETE_NAME, INDEX_NAME
+from ..format.names import INCOMPLETE_NAME, INDEX_NAME, RUN_NAME
 from .atomic import LocalFS
 from .location import local_path
-from .outdir import check_output, lock_dir, publish, remove_ours, staging_of
-from .recovery import RunState, load_state, new_run, shard_files
+from .outdir import check_output, describe_names, lock_dir, publish, remove_ours, staging_of
+from .recovery import RunState, index_runs, load_state, new_run, shard_files
+from .runmark import RunMark
 from .store import LocalStore
 
 __all__ = ["LocalOutput"]
@@ -36,6 +37,7 @@ class LocalOutput:
 
     tag = False
     replaces = None
+    run: str | None = None  # known once open
 
     def __init__(self, path: Any, fs: LocalFS | None = None) -> None:
         self.target = local_path(path)
@@ -44,10 +46,12 @@ class LocalOutput:
         self.store = LocalStore(self.staging, self.fs)
         self.overwrite = False
         self._lock: int | None = None
+        self._base: str | None = None
 
     def open(self, overwrite: bool, resume: bool) -> RunState:
         """Check the output, lock ``<path>.partial``; return what it holds to continue from, or a fresh run."""
         check_output(self.target, overwrite, resume)
+        self._base = LocalStore(self.target).version(INDEX_NAME)  # the commit checks no other run committed since
         self._lock = lock_dir(self.staging) if self.staging.is_dir() else None
         try:
             state = load_state(self.target, self.staging, overwrite) if resume else None
@@ -63,6 +67,8 @@ class LocalOutput:
             raise
         # resuming a complete dataset replaces it with one that holds all its frames
         self.overwrite = overwrite or (resume and (self.target / INDEX_NAME).is_file())
+        self.run = state.run
+        RunMark.now(state.run, self.overwrite).put(self.store)  # before any shard: a resume continues this run
         return state
 
     def open_part(self) -> list[str]:
@@ -76,8 +82,26 @@ class LocalOutput:
         return shard_files(self.store)
 
     def commit(self, index: Iterable[bytes], shards: Iterable[str]) -> Path:
-        """Write the index, then move the dataset into place; return its path."""
-        (self.staging / INCOMPLETE_NAME).unlink(missing_ok=True)  # an earlier attempt's record
+        """Check every listed shard is staged and no other run committed; write the index, move it into place.
+
+        Raises:
+            OutputError: a listed shard is missing, or another run committed meanwhile; nothing was committed.
+        """
+        missing = sorted(set(shards) - set(self.store.list()))
+        if missing:
+            raise OutputError(
+                f"{str(self.staging)!r}: the index would list {describe_names(missing)}, which are not there "
+                "(removed by another process); nothing was committed: rerun with resume=True"
+            )
+        if LocalStore(self.target).version(INDEX_NAME) != self._base:
+            _, other, _ = index_runs(LocalStore(self.target))
+            raise OutputError(
+                f"{str(self.target)!r}: another run (run {other}) committed a dataset there after this run (run "
+                f"{self.run}) opened; that dataset stays, and this run's shards stay in {str(self.staging)!r}. Two "
+                "jobs wrote one output (a requeue, a restarted pod): keep one of them"
+            )
+        for name in (INCOMPLETE_NAME, RUN_NAME):  # an earlier attempt's record; this run's mark
+            (self.staging / name).unlink(missing_ok=True)
         self.fs.write_atomic(self.staging / INDEX_NAME, index)
         publish(self.staging, self.target, self.overwrite, self.fs.exchange)
         self.close()

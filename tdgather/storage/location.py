@@ -25,8 +25,12 @@ def is_url(path: Any) -> bool:
 
 
 def local_path(path: Any) -> Path:
-    """A local path: a ``file://`` URL's path, or the path as given."""
-    if isinstance(path, str) and path.startswith("file://"):
+    """A local path: a ``file://`` URL's path (the scheme in any case, as `is_url` reads it), or the path as given.
+
+    >>> str(local_path("file:///data/out")), str(local_path("FILE:///data/out")), str(local_path("out"))
+    ('/data/out', '/data/out', 'out')
+    """
+    if isinstance(path, str) and path[: len("file://")].lower() == "file://":
         return Path(path[len("file://") :])
     return Path(path)
 

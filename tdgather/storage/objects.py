@@ -18,8 +18,11 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import struct
+import threading
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -28,14 +31,20 @@ import torch
 
 from ..core.dtypes import SAFETENSORS_CODE
 from ..errors import DatasetError, OutputError, TdgatherError
+from ..format.names import RUN_TAG, SHARD_NAME, shard_tag
 from .store import Written, hashed
 
 __all__ = ["BLOCK_BYTES", "PARTS_IN_FLIGHT", "ObjectStore", "RangeShard"]
+
+log = logging.getLogger("tdgather")
 
 BLOCK_BYTES = 8 << 20  # one multipart part (S3 takes 5 MiB at least); chunks are cut to it before the upload
 PARTS_IN_FLIGHT = 3  # S3: parts uploading at once, while the next is cut (other stores: one at a time)
 _HEADER_MAX = 100 << 20  # safetensors' own limit on a header
 _DTYPE = {code: dtype for dtype, code in SAFETENSORS_CODE.items()}
+# S3's answers to a failed condition, as s3fs words them
+_CONDITION_FAILED = ("pre-condition", "PreconditionFailed", "ConditionalRequestConflict")
+_UNCONDITIONAL = threading.Lock()  # a store without conditional writes: check-then-put, one at a time in a process
 _PACKAGES = {"s3": "s3fs", "gcs": "gcsfs", "azure": "adlfs"}  # each extra's fsspec backend
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
 
@@ -171,18 +180,20 @@ class ObjectStore:
         """The shard's header, read and checked; its rows are read by ranges as asked for."""
         return RangeShard(self, name)
 
-    def digest(self, name: str) -> Written:
-        """The object's size and sha256, streamed a block at a time."""
-        h, size = hashlib.sha256(), 0
+    def digest(self, name: str, sha256: bool = True) -> Written:
+        """The object's size, sha256 (unless not ``sha256``) and CRC-32, streamed a block at a time."""
+        h, size, crc = (hashlib.sha256() if sha256 else None), 0, 0
         with self._errors(f"reading {name}"):
             try:
                 with self.fs.open(self._key(name), "rb", block_size=self.block_bytes) as fh:
                     while block := fh.read(self.block_bytes):
-                        h.update(block)
+                        if h is not None:
+                            h.update(block)
+                        crc = zlib.crc32(block, crc)  # a local dataset's checksum, copied here
                         size += len(block)
             except FileNotFoundError:
                 raise DatasetError(self.path(name), "object", _GONE) from None
-        return Written(size, h.hexdigest())
+        return Written(size, None if h is None else h.hexdigest(), crc)
 
     def put(self, name: str, chunks: Iterable, then: Callable[[Callable[[], None]], None] | None = None) -> Written:
         """Upload an object from its chunks: it appears whole once complete, or not at all.
@@ -265,6 +276,88 @@ class ObjectStore:
                 self.fs.rm_file(self._key(name))
             except FileNotFoundError:
                 pass
+
+    def version(self, name: str) -> str | None:
+        """The object's ETag on S3; elsewhere the sha256 of its bytes (read whole: small objects); None if absent."""
+        with self._errors(f"reading {name}"):
+            key = self._key(name)
+            self.fs.invalidate_cache(key)
+            try:
+                if self._s3:
+                    return str(self.fs.info(key)["ETag"])
+                return hashlib.sha256(self.fs.cat_file(key)).hexdigest()
+            except FileNotFoundError:
+                return None
+
+    def put_if(self, name: str, data: bytes, expected: str | None) -> bool:
+        """S3: one PUT with ``If-Match: expected`` (``If-None-Match: *`` for None), the store's own condition.
+
+        Other stores: the version checked, then one PUT, under a lock of this process (two processes
+        can still both pass the check: see docs/object-storage.md).
+        """
+        with self._errors(f"writing {name} (objects already committed stay valid)"):
+            if self._s3:
+                bucket, key, _ = self.fs.split_path(self._key(name))
+                match = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
+                try:
+                    self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **match)
+                except OSError as e:
+                    if isinstance(e, FileExistsError) or any(w in str(e) for w in _CONDITION_FAILED):
+                        return False
+                    raise
+                finally:
+                    self.fs.invalidate_cache(self._key(name))
+                return True
+            with _UNCONDITIONAL:
+                if self.version(name) != expected:
+                    return False
+                self.fs.pipe_file(self._key(name), data)
+                return True
+
+    def abort_uploads(self, runs: Iterable[str]) -> list[str]:
+        """Abort the multipart uploads under the prefix that never completed, of shards of ``runs``; their names.
+
+        A process killed mid-upload leaves its upload's parts stored (and billed) until it is aborted:
+        those of the shards named by a run of ``runs`` (run ids, or the `RUN_TAG` digits shard names
+        carry) go; nothing else, not another run's (it may be live). Best effort, after a commit: an
+        error of the store (no ``s3:ListBucketMultipartUploads`` permission) is logged, not raised.
+        Only S3 lists uploads; other stores: ``[]``.
+        """
+        tags = {run[:RUN_TAG] for run in runs}
+        if not self._s3 or not tags:
+            return []
+        bucket, prefix, _ = self.fs.split_path(self.root)
+        prefix = f"{prefix}/" if prefix else ""
+        aborted: list[str] = []
+        try:
+            more: dict = {}
+            while True:
+                page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **more)
+                for upload in page.get("Uploads", []):
+                    name = upload["Key"][len(prefix) :]
+                    if SHARD_NAME.fullmatch(name) and (shard_tag(name) or ("",))[0] in tags:
+                        self.fs.call_s3(
+                            "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                        )
+                        aborted.append(name)
+                if not page.get("IsTruncated"):
+                    break
+                more = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+        except Exception as e:  # the commit is done: what is left is only storage, to be aborted later
+            log.warning(
+                "tdgather: %r: could not abort the unfinished uploads of this run (%s: %s); a bucket lifecycle rule "
+                "(AbortIncompleteMultipartUpload) removes them",
+                self.where,
+                type(e).__name__,
+                e,
+            )
+        if aborted:
+            log.info("tdgather: %r: aborted %d unfinished upload(s) of interrupted attempts", self.where, len(aborted))
+        return aborted
+
+    @property
+    def _s3(self) -> bool:
+        return self.scheme in ("s3", "s3a") and hasattr(self.fs, "call_s3")
 
 
 class _SourceFailed(Exception):

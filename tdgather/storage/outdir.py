@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import OutputError
-from ..format.names import INCOMPLETE_NAME, INDEX_NAME, SHARD_PATTERN
+from ..format.names import INCOMPLETE_NAME, INDEX_NAME, RUN_NAME, SHARD_PATTERN
 
 __all__ = [
     "describe_names",
@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 
-_FILES = "(" + SHARD_PATTERN + "|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + ")"
+_FILES = "(" + "|".join([SHARD_PATTERN, *(re.escape(n) for n in (INDEX_NAME, INCOMPLETE_NAME, RUN_NAME))]) + ")"
 _OURS = re.compile(_FILES + r"|\." + _FILES + r"\.tmp-\d+")
 
 

@@ -8,12 +8,18 @@ Rules (checked by rank dst before any frame moves):
    even in a "subdirectory", is refused, even with ``overwrite=True``;
 2. every shard's name carries its run and attempt (`tdgather.format.names.shard_name`): a run never
    writes over another's objects;
-3. the index is written last, as one object (one PUT): the one commit point. A reader trusts only
-   the shards it lists. Then the shards it does not list of this run and of the run it replaced
-   are removed, by name (another run's are never touched). A crash before that leaves them: the
-   index names the run it replaced (``metadata.replaces``), so its leftovers are never taken for
-   a failed run's;
-4. a failed run writes ``tdgather.incomplete.json`` beside the shards and no index (an old
+3. when it opens, before any shard, a run writes its mark (`tdgather.storage.runmark`): a resume
+   continues the run the mark names unless that run committed, not the dataset it was replacing;
+   opening removes nothing (a failed run's objects, or another live run's, stay until a commit);
+4. the index is written last, as one object: the one commit point, and a conditional one. The run
+   checks that every shard the index lists is there, then puts the index only if it is still the
+   one seen at open (`Store.put_if`: S3's ``If-Match`` / ``If-None-Match``). Of two jobs on one
+   prefix (a requeue while the first still runs), one commits a whole dataset and the other gets
+   `OutputError` naming the run that committed. A reader trusts only the shards the index lists.
+   Then the shards it does not list of this run, of the run it replaced and those left at open are
+   removed, by name. A crash before that leaves them: the index names the run it replaced
+   (``metadata.replaces``), so its leftovers are never taken for a failed run's;
+5. a failed run writes ``tdgather.incomplete.json`` beside the shards and no index (an old
    dataset's index, if any, stays: ``tdgather.open(url)`` still reads the old dataset).
 """
 
@@ -24,14 +30,25 @@ from collections.abc import Iterable
 
 from ..errors import DatasetError, OutputError
 from ..format.check import Check, load_json
-from ..format.names import FORMAT, INCOMPLETE_NAME, INDEX_NAME, RUN_TAG, SHARD_NAME, SHARD_PATTERN, shard_tag
+from ..format.names import (
+    FORMAT,
+    INCOMPLETE_NAME,
+    INDEX_NAME,
+    RUN_NAME,
+    RUN_TAG,
+    SHARD_NAME,
+    SHARD_PATTERN,
+    shard_tag,
+)
 from .outdir import describe_names
 from .recovery import RunState, from_index, from_shards, index_runs, loose_shards, new_run
+from .runmark import RunMark
 from .store import Store
 
 __all__ = ["OURS", "PrefixOutput"]
 
-OURS = re.compile("(" + SHARD_PATTERN + "|" + re.escape(INDEX_NAME) + "|" + re.escape(INCOMPLETE_NAME) + ")")
+_FILES = (INDEX_NAME, INCOMPLETE_NAME, RUN_NAME)
+OURS = re.compile("(" + "|".join([SHARD_PATTERN, *(re.escape(n) for n in _FILES)]) + ")")
 
 
 class PrefixOutput:
@@ -54,9 +71,14 @@ class PrefixOutput:
         self.replaces: str | None = None
         self.run: str | None = None  # known once open
         self._replaced: set[str] = set()  # the shards the replaced dataset's index lists
+        self._base: str | None = None  # the index's version at open: the commit is conditional on it
+        self._stale: list[str] = []  # objects of earlier failed runs, seen at open: removed once committed
 
     def open(self, overwrite: bool, resume: bool) -> RunState:
-        """Check the prefix; return what it holds to continue from, or a fresh run (a failed run's objects removed)."""
+        """Check the prefix, mark it with this run; return what it holds to continue from, or a fresh run.
+
+        Nothing is removed here: a failed run's objects go once this run commits.
+        """
         listing = self.store.list()
         foreign = sorted(n for n in listing if not OURS.fullmatch(n))
         if foreign:
@@ -65,9 +87,13 @@ class PrefixOutput:
                 "never replaces or deletes what it did not write, even with overwrite=True: choose another prefix, "
                 "or move those objects away"
             )
+        self._base = self.store.version(INDEX_NAME)
         listed, index_run, _ = index_runs(self.store)
         complete = INDEX_NAME in listing
         loose = loose_shards(self.store, listing)
+        mark = RunMark.read(self.store)
+        if resume and mark is not None and mark.run != index_run:  # the run that opened last did not commit:
+            return self._resume(mark, loose, complete, overwrite, index_run, listed)  # continue it
         failed = bool(loose) or INCOMPLETE_NAME in listing and not complete
         if complete and not overwrite and not resume:
             raise OutputError(
@@ -81,6 +107,11 @@ class PrefixOutput:
                 "tdgather.open(url, incomplete=True))"
             )
         if resume and loose:
+            if len({_run_of(n) for n in loose}) > 1:  # shards of several runs, and no mark naming the last
+                raise OutputError(
+                    f"{self.target!r} holds shards of several interrupted runs and no {RUN_NAME} naming the last; "
+                    "read them with tdgather.open(url, incomplete=True), or pass overwrite=True to start over"
+                )
             if complete and not overwrite:
                 raise OutputError(
                     f"{self.target!r} holds what a failed run saved beside a complete dataset, which finishing that "
@@ -89,21 +120,37 @@ class PrefixOutput:
             state = from_shards(self.store, loose)
             self.overwrite, self.replaces = complete, index_run if index_run != state.run else None
             self._replaced = listed
-            self.run = state.run
-            return state
+            return self._opened(state, overwrite or complete)
         if resume and complete:
             self.overwrite = True  # the new index lists the old shards and the new ones
             self.replaces = index_runs(self.store)[2]  # still the replaced run's: its leftovers stay known
-            state = from_index(self.store)
-            self.run = state.run
-            return state
+            return self._opened(from_index(self.store), True)
         record = [INCOMPLETE_NAME] if INCOMPLETE_NAME in listing else []
         self._check_ours(loose + record)
-        for name in loose + record:  # overwrite=True (or nothing of use): a failed run's objects go now, by name
-            self.store.remove(name)
+        self._stale = loose + record  # overwrite=True (or nothing of use): removed once this run commits
         self.overwrite, self.replaces, self._replaced = complete, index_run, listed
-        self.run = new_run()
-        return RunState(self.run)
+        return self._opened(RunState(new_run()), overwrite)
+
+    def _resume(
+        self, mark: RunMark, loose: list[str], complete: bool, overwrite: bool, index_run: str | None, listed: set[str]
+    ) -> RunState:
+        """Continue the run ``mark`` names, from its shards (none: a new attempt); other runs' are stale."""
+        mine = [n for n in loose if _run_of(n) == mark.run[:RUN_TAG]]
+        if complete and not (overwrite or mark.overwrite):
+            raise OutputError(
+                f"{self.target!r} holds a complete dataset, and the interrupted {mark.describe()}, which did not "
+                "ask to replace it; pass overwrite=True as well as resume=True to finish that run and replace it"
+            )
+        state = from_shards(self.store, mine) if mine else RunState(mark.run)
+        self._stale = [n for n in loose if n not in mine]
+        self.overwrite, self.replaces, self._replaced = complete, index_run, listed
+        return self._opened(state, overwrite or mark.overwrite)
+
+    def _opened(self, state: RunState, overwrite: bool) -> RunState:
+        """Mark the prefix with this run (before any shard), and return its state."""
+        self.run = state.run
+        RunMark.now(state.run, overwrite).put(self.store)
+        return state
 
     def _check_ours(self, names: list[str]) -> None:
         """Refuse, before anything is removed, an object named like tdgather's that tdgather did not write."""
@@ -129,17 +176,55 @@ class PrefixOutput:
         return []
 
     def commit(self, index: Iterable[bytes], shards: Iterable[str]) -> str:
-        """Write the index in one PUT (the commit), then remove the objects it does not list; return the URL."""
-        self.store.put(INDEX_NAME, [b"".join(index)])
+        """The one commit step: check every listed shard is there, put the index if unchanged since open.
+
+        Then remove the objects it does not list (this run's, the replaced run's, those left at
+        open); return the URL.
+
+        Raises:
+            OutputError: a listed shard is missing, or another run committed meanwhile (named);
+                nothing was committed.
+        """
         keep = set(shards)
+        listing = self.store.list()
+        missing = sorted(keep - set(listing))
+        if missing:
+            raise OutputError(
+                f"{self.target!r}: the index would list {describe_names(missing)}, which are not there (another run "
+                f"removed them: {self._other()}); nothing was committed. Two jobs wrote one output (a requeue, a "
+                "restarted pod): let one finish, then rerun the other with resume=True"
+            )
+        if not self.store.put_if(INDEX_NAME, b"".join(index), self._base):
+            raise OutputError(
+                f"{self.target!r}: another run committed a dataset there after this run (run {self.run}) opened: "
+                f"{self._other()}; that dataset stays whole and nothing of this run was committed (its shards stay, "
+                "unlisted, until the next commit there). Two jobs wrote one output (a requeue, a restarted pod): "
+                "keep one of them"
+            )
         ours = {run[:RUN_TAG] for run in (self.run, self.replaces) if run}
-        for name in sorted(self.store.list()):  # by name, only tdgather's: never anything it did not write
-            if name == INCOMPLETE_NAME:
-                self.store.remove(name)
+        stale = set(self._stale)
+        for name in sorted(listing):  # by name, only tdgather's: never anything it did not write
+            if name in (INCOMPLETE_NAME, RUN_NAME):
+                if name == INCOMPLETE_NAME or self._is_my_mark():
+                    self.store.remove(name)
             elif SHARD_NAME.fullmatch(name) and name not in keep:
-                if (shard_tag(name) or ("",))[0] in ours or name in self._replaced:
-                    self.store.remove(name)  # this run's, or the replaced dataset's (untagged: one copied there)
+                if _run_of(name) in ours or name in self._replaced or name in stale:
+                    self.store.remove(name)  # this run's, the replaced dataset's, or a failed run's left at open
+        self.store.abort_uploads(ours)  # S3: an upload a killed attempt of this run (or the replaced one) left
         return self.target
+
+    def _is_my_mark(self) -> bool:
+        mark = RunMark.read(self.store)
+        return mark is not None and mark.run == self.run
+
+    def _other(self) -> str:
+        """The other run, as the prefix names it: the committed index's run, and the run that opened last."""
+        _, committed, _ = index_runs(self.store)
+        mark = RunMark.read(self.store)
+        said = [f"the index there is run {committed}'s"] if committed and committed != self.run else []
+        if mark is not None and mark.run != self.run:
+            said.append(f"the last to open it was {mark.describe()}")
+        return "; ".join(said) or "no other run is named there"
 
     def abort(self, record: Iterable[bytes] | None) -> str:
         """Leave the shards, with the incomplete record if given; return the URL."""
@@ -156,3 +241,8 @@ class PrefixOutput:
 
     def close(self) -> None:
         """Nothing is held."""
+
+
+def _run_of(shard: str) -> str:
+    """The run prefix a shard's name carries ("" for an untagged name)."""
+    return (shard_tag(shard) or ("",))[0]

@@ -209,12 +209,15 @@ class Dataset(Mapping[str, Frames]):
         return to_hf(self, **kwargs)
 
     def verify(self, checksums: bool = True) -> int:
-        """Check every shard now: its header and size against the index, and (``checksums``) its sha256.
+        """Check every shard now: its header and size against the index, and (``checksums``) every byte.
 
         `__getitem__` checks headers lazily, per shard; only the checksums read every byte. The
-        index lists a sha256 for shards in an object store; a local dataset (or one before index
-        version 5) lists none: then headers and sizes are checked. Returns the shards whose
-        checksum was checked.
+        index lists each shard's checksum as it was written: its sha256 in an object store, its
+        CRC-32 in a local directory (index version 7 on). Shards listed without one (an older
+        tdgather's local dataset, or a failed run's shards that no record lists) get their header
+        and size checked only. Returns the shards whose content was checked: fewer than
+        ``len(index["shards"])`` means the others' content could not be (`tdgather inspect --verify`
+        then exits 1).
 
         Raises:
             DatasetError: a shard missing, malformed, or changed since it was written (naming it).
@@ -226,12 +229,14 @@ class Dataset(Mapping[str, Frames]):
             size = self.store.size(shard)
             if "size" in entry and size != entry["size"]:
                 raise c.fail("size", f"{entry['size']} bytes, as the index records (the file changed since)", size)
-            if not checksums or "sha256" not in entry:
+            if not checksums or not {"sha256", "crc32"} & set(entry):
                 continue
-            got = self.store.digest(shard)
-            if got.sha256 != entry["sha256"]:
-                expected = f"sha256 {entry['sha256']}, as the index records (the file changed since it was written)"
-                raise c.fail("sha256", expected, got.sha256)
+            got = self.store.digest(shard, sha256="sha256" in entry)
+            changed = "as the index records (the file changed since it was written)"
+            if "sha256" in entry and got.sha256 != entry["sha256"]:
+                raise c.fail("sha256", f"sha256 {entry['sha256']}, {changed}", got.sha256)
+            if "crc32" in entry and got.crc32 != entry["crc32"]:
+                raise c.fail("crc32", f"CRC-32 {entry['crc32']}, {changed}", got.crc32)
             checked += 1
         return checked
 

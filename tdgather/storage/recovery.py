@@ -50,14 +50,14 @@ from ..format.names import (
     RAGGED_VERSION,
     RUN_TAG,
     SHARD_NAME,
-    index_version,
     shard_order,
     shard_tag,
 )
 from ..format.records import Attempt, Failure
 from .combine import resolve
-from .location import is_url, store_at
+from .location import is_url, local_path, store_at
 from .outdir import fsync_dir, staging_of
+from .runmark import RunMark
 from .segments import open_shard
 from .store import LocalStore, Store
 
@@ -275,7 +275,7 @@ def saved_at(path: str | os.PathLike, storage_options: dict | None = None) -> Sa
     if is_url(path):
         state = prefix_state(store_at(path, storage_options))
         return state.to_saved() if state is not None else Saved()
-    target = Path(path)
+    target = local_path(path)
     state = _read(target, staging_of(target), overwrite=True)
     return state.to_saved() if state is not None else Saved()
 
@@ -327,21 +327,13 @@ def partial_index(store: Store, names: list[str] | None = None) -> dict | None:
     recorded_last = max(
         (a.attempt for a in _attempts(record, Check(store.path(INCOMPLETE_NAME)), "metadata")), default=0
     )
-    return {
-        "format": FORMAT,
-        "version": index_version(state.shards),
-        "metadata": {
-            **(record if recorded_last == last.attempt else {}),
-            "run": state.run,
-            "attempts": [a.to_json() for a in state.attempts],
-            "failure": (last.failure or _UNRECORDED).to_json(),
-            "total_frames": sum(s["frames"] for s in state.shards.values()),
-            "total_bytes": sum(s["bytes"] for s in state.shards.values()),
-            "num_filenames": len(state.files),
-        },
-        "shards": state.shards,
-        "files": dict(sorted(state.files.items())),
+    meta = {
+        **(record if recorded_last == last.attempt else {}),
+        "run": state.run,
+        "attempts": [a.to_json() for a in state.attempts],
+        "failure": (last.failure or _UNRECORDED).to_json(),
     }
+    return _shards_index(state.shards, dict(sorted(state.files.items())), meta)  # as from_shards checked it
 
 
 def load_state(target: Path, staging: Path, overwrite: bool) -> RunState | None:
@@ -359,10 +351,12 @@ def load_state(target: Path, staging: Path, overwrite: bool) -> RunState | None:
     state = _read(target, staging, overwrite)
     if state is None:
         return None
-    if not staging.is_dir():  # resuming a complete dataset: the new one starts from its shards
+    if not staging.is_dir():
         staging.mkdir()
-        for name in state.shards:
-            _link(target / name, staging / name)
+    linked = [n for n in state.shards if not (staging / n).exists()]
+    for name in linked:  # resuming a complete dataset (beside an empty staging directory too): from its shards
+        _link(target / name, staging / name)
+    if linked:
         fsync_dir(staging)
     for name in os.listdir(staging):  # what a killed writer left half-written
         if _TMP.fullmatch(name) and (staging / name).is_file():
@@ -388,6 +382,9 @@ def _read(target: Path, staging: Path, overwrite: bool) -> RunState | None:
                 "one of them away"
             )
         return from_shards(LocalStore(staging), shards)
+    mark = RunMark.read(LocalStore(staging))
+    if mark is not None and (mark.overwrite or not complete_target):  # a run killed before its first shard:
+        return RunState(mark.run)  # continue it (a new attempt), not the dataset it was replacing
     if complete_target:
         return from_index(LocalStore(target))
     return None
@@ -493,18 +490,7 @@ def from_shards(
     frames_of: dict[int, int] = {}
     for name, shard in shards.items():
         frames_of[attempt_of[name]] = frames_of.get(attempt_of[name], 0) + shard["frames"]
-    index = {
-        "format": FORMAT,
-        "version": RAGGED_VERSION,  # the rules of every index this tdgather writes
-        "metadata": {
-            "total_frames": sum(s["frames"] for s in shards.values()),
-            "total_bytes": sum(s["bytes"] for s in shards.values()),
-            "num_filenames": len(files),
-        },
-        "shards": shards,
-        "files": files,
-    }
-    plan = check_index(index, store.where, incomplete=False)  # counts, overlaps, layouts that join
+    plan = check_index(_shards_index(shards, files), store.where, incomplete=False)  # counts, overlaps, joins
     run = runs.pop()
     recorded = _recorded_attempts(store, run)
     attempts = []
@@ -515,6 +501,27 @@ def from_shards(
     if frames:
         _read_frames(store, state)
     return state
+
+
+def _shards_index(shards: dict[str, dict], files: dict[str, dict], metadata: dict | None = None) -> dict:
+    """The index of what shards' own records list, as `from_shards` checks it and `partial_index` gives it.
+
+    Its version is the rules of every index this tdgather writes (`RAGGED_VERSION`: a filename's
+    segments may differ in a leaf's first dim), whatever the shard entries list: they carry no
+    ``size`` (``index_version`` would say 3 or 4, whose rules refuse what this tdgather writes).
+    """
+    totals = {
+        "total_frames": sum(s["frames"] for s in shards.values()),
+        "total_bytes": sum(s["bytes"] for s in shards.values()),
+        "num_filenames": len(files),
+    }
+    return {
+        "format": FORMAT,
+        "version": RAGGED_VERSION,
+        "metadata": {**(metadata or {}), **totals},
+        "shards": shards,
+        "files": files,
+    }
 
 
 def _frame_idx_of(store: Store, layout_of: Mapping[tuple[str, str], Layout]) -> Callable[[str, str], torch.Tensor]:

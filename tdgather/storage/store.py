@@ -14,9 +14,12 @@ put a file atomically (a whole object or nothing), remove one by name. Two imple
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import mmap
 import os
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -26,18 +29,24 @@ from safetensors import SafetensorError, safe_open
 from ..errors import DatasetError
 from .atomic import LocalFS
 
-__all__ = ["LocalStore", "Store", "Written", "hashed"]
+__all__ = ["LocalStore", "Store", "Written", "crc32_of", "hashed"]
 
 
 class Written(NamedTuple):
-    """A file as it was put: its size in bytes and the sha256 of those bytes (hex; None where not computed)."""
+    """A file as it was put: its size in bytes, their sha256 (hex) and CRC-32 (each None where not computed)."""
 
     size: int
     sha256: str | None
+    crc32: int | None = None
 
     def entry(self) -> dict:
-        """The keys the index lists for a shard: ``size``, and ``sha256`` where it was computed."""
-        return {"size": self.size} if self.sha256 is None else {"size": self.size, "sha256": self.sha256}
+        """The keys the index lists for a shard: ``size``, and ``sha256`` and ``crc32`` where they were computed."""
+        out: dict = {"size": self.size}
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
+        if self.crc32 is not None:
+            out["crc32"] = self.crc32
+        return out
 
 
 class Store(Protocol):
@@ -65,14 +74,26 @@ class Store(Protocol):
     def open_safetensors(self, name: str) -> Any:
         """A shard opened for reading, with the calls of ``safetensors.safe_open``; raises `DatasetError`."""
 
-    def digest(self, name: str) -> Written:
-        """A file's size and sha256, reading it whole."""
+    def digest(self, name: str, sha256: bool = True) -> Written:
+        """A file's size, sha256 (unless not ``sha256``) and CRC-32, reading it whole."""
 
     def put(self, name: str, chunks: Iterable, then: Callable[[Callable[[], None]], None] | None = None) -> Written:
         """Write a file from its chunks, atomically; with ``then``, the last step may be handed to it."""
 
     def remove(self, name: str) -> None:
         """Remove one file by name (absent: nothing happens)."""
+
+    def version(self, name: str) -> str | None:
+        """A token that changes whenever the file is written again (an ETag, a stat); None where it is absent."""
+
+    def put_if(self, name: str, data: bytes, expected: str | None) -> bool:
+        """Write a small file whole only if its `version` is still ``expected`` (None: only if absent).
+
+        The one commit step goes through this (`tdgather.storage.prefix`). Where the store can
+        (S3's ``If-Match`` / ``If-None-Match``) the condition is the store's own; elsewhere it is
+        checked just before the write. False when the file changed (another run committed): nothing
+        was written.
+        """
 
 
 def hashed(chunks: Iterable, digest: Any, count: list[int]) -> Iterator:
@@ -84,13 +105,20 @@ def hashed(chunks: Iterable, digest: Any, count: list[int]) -> Iterator:
         yield chunk
 
 
+def crc32_of(chunks: Iterable, crc: list[int]) -> Iterator:
+    """``chunks`` as they are, each added to the CRC-32 in ``crc[0]`` (zlib's: start it at 0)."""
+    for chunk in chunks:
+        crc[0] = zlib.crc32(chunk, crc[0])
+        yield chunk
+
+
 class LocalStore:
     """A directory on a local (or mounted) filesystem: files renamed into place, shards mapped.
 
     Only files directly in the directory are opened; a link is followed only to a file in it.
-    ``checksums``: ``put`` computes each file's sha256 as it writes it. Off by default: hashing
-    costs more than writing to the page cache (docs/object-storage.md has the figures), and a
-    local write is already atomic and durable; sizes are always recorded.
+    ``put`` computes each file's CRC-32 as it writes it (the index lists it: ``verify()`` checks
+    every byte against it). ``checksums``: its sha256 too. Off by default: hashing costs more than
+    writing to the page cache (docs/object-storage.md has the figures); a CRC-32 costs a fraction.
     """
 
     local = True
@@ -155,23 +183,46 @@ class LocalStore:
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise DatasetError(self.path(name), "header", f"expected a readable safetensors file, got {e}") from e
 
-    def digest(self, name: str) -> Written:
-        """Size and sha256 of the file, read through a mapping."""
+    def digest(self, name: str, sha256: bool = True) -> Written:
+        """Size, sha256 (unless not ``sha256``) and CRC-32 of the file, read through a mapping."""
         real = self._inside(name)
-        h = hashlib.sha256()
+        h, crc = (hashlib.sha256() if sha256 else None), 0
         with open(real, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             if size:
                 with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                    h.update(m)
-        return Written(size, h.hexdigest())
+                    if h is not None:
+                        h.update(m)
+                    crc = zlib.crc32(m)
+        return Written(size, None if h is None else h.hexdigest(), crc)
 
     def put(self, name: str, chunks: Iterable, then: Callable[[Callable[[], None]], None] | None = None) -> Written:
         """Write through `LocalFS.write_atomic` (temporary name, fsync, rename, fsync the directory)."""
-        h, count = (hashlib.sha256() if self.checksums else None), [0]
-        self.fs.write_atomic(self.root / name, hashed(chunks, h, count), then)
-        return Written(count[0], None if h is None else h.hexdigest())
+        h, count, crc = (hashlib.sha256() if self.checksums else None), [0], [0]
+        self.fs.write_atomic(self.root / name, crc32_of(hashed(chunks, h, count), crc), then)
+        return Written(count[0], None if h is None else h.hexdigest(), crc[0])
 
     def remove(self, name: str) -> None:
         """Unlink the file, if it is there."""
         (self.root / name).unlink(missing_ok=True)
+
+    def version(self, name: str) -> str | None:
+        """Inode, modification time and size: a file put again (renamed into place) has another."""
+        try:
+            st = os.stat(self.root / name, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+
+    def put_if(self, name: str, data: bytes, expected: str | None) -> bool:
+        """Under an exclusive lock on the directory: check the version, then put (temporary name, rename)."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with contextlib.suppress(OSError):  # a filesystem without locks: checked, unlocked
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if self.version(name) != expected:
+                return False
+            self.put(name, [data])
+            return True
+        finally:
+            os.close(fd)  # releases the lock

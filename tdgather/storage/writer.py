@@ -23,7 +23,8 @@ Where the files go, and how the dataset is committed, is the output's (`output_a
 directory (`tdgather.storage.local`: staged in ``<name>.partial``, each file renamed into place,
 the index last, then the directory moved into place) or an object store prefix
 (`tdgather.storage.prefix`: shards written in place under names of their own, the index last, in
-one PUT). Every shard is listed in the index with its size, and in an object store its sha256.
+one PUT). Every shard is listed in the index with its size, and its checksum: in a local directory its
+CRC-32, computed as it is written; in an object store its sha256.
 """
 
 from __future__ import annotations
@@ -46,7 +47,15 @@ from ..core.ragged import Ragged, joined, offsets_of
 from ..core.runs import in_runs
 from ..errors import FrameConflictError, OutputError, ShapeMismatchError
 from ..format.limits import SHARD_HEADER_MAX, segment_record_bytes
-from ..format.names import FORMAT, SHARD_VERSION, group_names, index_version, next_number, shard_name
+from ..format.names import (
+    FORMAT,
+    INCOMPLETE_NAME,
+    SHARD_VERSION,
+    group_names,
+    index_version,
+    next_number,
+    shard_name,
+)
 from ..format.records import Attempt, Failure, IndexMeta, ShardRecord
 from .atomic import LocalFS
 from .catalog import UNKNOWN, Catalog
@@ -135,11 +144,24 @@ class DatasetWriter:
         self._mine: list[str] = []  # the shards this attempt wrote
 
     def _digest_saved(self) -> None:
-        """Size (and sha256, in an object store) of each saved shard listed without (a killed attempt's; older)."""
+        """Size and checksum of each saved shard listed without (a killed attempt's; an older tdgather's).
+
+        The checksum is the one this store's writes compute: sha256 in an object store, CRC-32 locally,
+        where the failed attempt's record lists it for a shard of the size on disk, else read whole.
+        """
         store = self.out.store
+        recorded = _recorded_crc32(store, self.run) if store.local else {}
         for name, entry in self.shards.items():
             if not store.local and "sha256" not in entry:
-                entry.update(store.digest(name).entry())
+                got = store.digest(name)
+                entry.update(size=got.size, sha256=got.sha256)
+            elif store.local and "crc32" not in entry:
+                size = store.size(name)
+                if name in recorded and recorded[name][0] == size:
+                    entry.update(size=size, crc32=recorded[name][1])
+                else:  # a killed attempt's shard, or an older tdgather's
+                    got = store.digest(name, sha256=False)
+                    entry.update(size=got.size, crc32=got.crc32)
             elif "size" not in entry:
                 entry["size"] = store.size(name)
 
@@ -319,7 +341,7 @@ class DatasetWriter:
         return conflict(item.name, int(item.idx[pos]), how, self.policy, f"{first} and {later}", where)
 
     def report(self) -> dict[str, dict]:
-        """A writer's part (`tdgather.format.parts`): once its shards are durable, their frames, bytes, size, sha256."""
+        """A writer's part (`tdgather.format.parts`): once its shards are durable, frames, bytes, size, checksums."""
         self._settle()
         return {name: {k: v for k, v in entry.items() if k != "groups"} for name, entry in self.shards.items()}
 
@@ -353,8 +375,8 @@ class DatasetWriter:
         if not names:  # no writer had a frame: an empty dataset
             return DuplicateCounts()
         state = from_shards(store, names, policy=self.policy, frames=False, fixed=self.fixed)
-        for name, entry in state.shards.items():  # each shard's size (and sha256), as its writer put it
-            entry.update({k: sums[name][k] for k in ("size", "sha256") if k in sums[name]})
+        for name, entry in state.shards.items():  # each shard's size and checksum, as its writer put it
+            entry.update({k: sums[name][k] for k in ("size", "sha256", "crc32") if k in sums[name]})
         self.shards, self.catalog = state.shards, Catalog()
         self.catalog.load(state.files, state.layouts, state.written)
         return state.duplicates
@@ -464,6 +486,26 @@ class _Item(NamedTuple):
     json: list[list]
     runs: tuple[int, int] | None  # (lo, hi) when idx is the run lo..hi
     rank: Any  # the sender of every row (int, UNKNOWN if not known), or one per row (int32 tensor)
+
+
+def _recorded_crc32(store: Store, run: str) -> dict[str, tuple[int, int]]:
+    """``{shard: (size, crc32)}`` as run ``run``'s last failed attempt recorded them; {} without such a record."""
+    if store.size(INCOMPLETE_NAME) is None:
+        return {}
+    try:
+        record = json.loads(store.read(INCOMPLETE_NAME))
+    except (OSError, ValueError):  # unreadable: each shard is read whole instead
+        return {}
+    if not isinstance(record, dict) or not isinstance(record.get("metadata"), dict):
+        return {}
+    shards = record.get("shards")
+    if record["metadata"].get("run") != run or not isinstance(shards, dict):
+        return {}
+    return {
+        name: (e["size"], e["crc32"])
+        for name, e in shards.items()
+        if isinstance(e, dict) and type(e.get("size")) is int and type(e.get("crc32")) is int
+    }
 
 
 def _items(frames: Any, ranks: Mapping[str, set[int]]) -> list[_Item]:

@@ -69,18 +69,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
     ds = Dataset(args.path, incomplete=args.incomplete, storage_options=args.storage_options)
     checked = ds.verify(checksums=args.verify)  # every header, against the index; --verify: every byte too
-    if args.verify:
-        unchecked = len(ds.index["shards"]) - checked
-        print(
-            f"verified: {checked} shard(s) match the size and sha256 the index records"
-            + (
-                f"; {unchecked} listed without one (a local dataset, or a failed run): header and size checked"
-                if unchecked
-                else ""
-            )
-        )
+    status = _report_verified(ds, args, checked) if args.verify else 0
     if args.frames is not None:
-        return _inspect_frames(ds, args.frames)
+        return _inspect_frames(ds, args.frames) or status
     names = list(ds)
     shown = names if args.all else names[: args.limit]
     width = min(60, max([len(repr(n)) for n in shown] + [8]))
@@ -104,7 +95,24 @@ def _inspect(args: argparse.Namespace) -> int:
         f = m["failure"]
         print(f"incomplete: saved before {f['type']}" + (f" (rank {f['rank']})" if f["rank"] is not None else ""))
         print(f"  {f['message']}")
-    return 0
+    return status
+
+
+def _report_verified(ds: Any, args: argparse.Namespace, checked: int) -> int:
+    """Say how many shards ``--verify`` read whole against their checksum; 1 where some could not be."""
+    total = len(ds.index["shards"])
+    opened = f"tdgather.open({args.path!r}{', incomplete=True' if args.incomplete else ''})"
+    print(f"verified: {checked} of {total} shard(s): every byte matches the checksum the index records")
+    if checked == total:
+        return 0
+    print(
+        f"tdgather: --verify: {total - checked} of {total} shard(s) NOT verified: the index lists no checksum "
+        "for them (a local dataset written by a tdgather before index version 7, or a failed run's shards that "
+        "no record lists), so only their header and size were checked, not their content. To have every byte "
+        f"checked, write the dataset again: tdgather.save({opened}, NEW_PATH)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _print_shards(ds: Any, every: bool, limit: int = 10) -> None:
@@ -202,15 +210,15 @@ def _stats(t: Any) -> str:
 
 def _export_hf(args: argparse.Namespace) -> int:
     """Write a dataset as Hugging Face ``datasets``: ``save_to_disk`` (Arrow) or Parquet shards."""
-    from ..storage.location import is_url
+    from ..storage.location import is_url, local_path
     from ..storage.reader import Dataset
     from ..storage.views import to_hf
 
-    out = Path(args.out)
+    out = local_path(args.out)  # a file:// URL is the path it names
     if out.exists():
         print(f"tdgather: {str(out)!r} exists; choose a new directory (export-hf never replaces one)", file=sys.stderr)
         return 1
-    if not is_url(args.path) and Path(os.path.realpath(out)).is_relative_to(os.path.realpath(args.path)):
+    if not is_url(args.path) and Path(os.path.realpath(out)).is_relative_to(os.path.realpath(local_path(args.path))):
         print(f"tdgather: {str(out)!r} is inside the dataset {args.path!r}; write it beside", file=sys.stderr)
         return 1
     ds = Dataset(args.path, storage_options=args.storage_options)
@@ -273,7 +281,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="what a failed run saved (in PATH.partial; under a URL, beside the dataset)",
     )
-    inspect.add_argument("--verify", action="store_true", help="read every shard whole: its sha256 vs the index")
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every shard whole against the checksum the index records (exit 1 where a shard has none)",
+    )
     _storage_options(inspect)
     inspect.add_argument(
         "--frames", metavar="FILENAME", help="one filename: its frame indexes (as ranges) and per-leaf statistics"

@@ -125,13 +125,12 @@ def _rank_job(cfg: dict[str, Any]) -> dict[str, Any] | None:
 
 def check_demo_output(out: str) -> None:
     """Refuse an output that holds a tdgather dataset the demo did not write (the demo replaces only its own)."""
-    from pathlib import Path
-
     from ..errors import OutputError
+    from ..storage.location import local_path
     from ..storage.outdir import INDEX_NAME
     from ..storage.reader import open_dataset
 
-    meta = open_dataset(out).metadata if (Path(out) / INDEX_NAME).is_file() else None
+    meta = open_dataset(out).metadata if (local_path(out) / INDEX_NAME).is_file() else None
     if meta is not None and not (meta.get("user", {}).get(DEMO_MARK) or meta.get(DEMO_MARK)):  # top level: older
         raise OutputError(
             f"output {out!r} holds a tdgather dataset that the demo did not write; the demo replaces only its own "
