@@ -72,6 +72,16 @@ def test_small_budget_smoke(capsys):
     assert row[0] == "| 4" and int(row[3]) >= 1  # budget, then peak, seconds, shards, segments, read ms
 
 
+def test_loss_window_smoke(capsys):
+    from benchmarks.loss_window import main as loss_window
+
+    assert loss_window(["--seconds", "3", "--repeats", "1"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert [r[0] for r in rows] == ["| 300", "| 1"]
+    default, often = (int(r[2]) for r in rows)  # shards: one at close, and one a second or so more
+    assert default == 1 and often > default
+
+
 def test_detection_smoke(tmp_path):
     from benchmarks.detection import METHODS, _rank
     from tdgather.tools.launch import run_local_world
