@@ -26,9 +26,10 @@ LOG_EVERY = 60.0  # seconds between progress lines in a log
 def visible() -> None:
     """Make the ``"tdgather"`` logger's INFO lines reach stderr, unless the program set up logging itself."""
     if log.handlers or logging.getLogger().handlers:
-        return  # the program's own setup decides
+        return  # the program's own setup decides (and ours steps aside once the program sets one up)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    handler.addFilter(lambda record: not logging.getLogger().handlers)  # set up later: the program's alone
     log.addHandler(handler)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
