@@ -1,5 +1,8 @@
 """A ``file://`` URL is the local path it names, at every entry point: written where it is read."""
 
+from pathlib import Path
+
+import pytest
 import torch
 
 import tdgather
@@ -25,3 +28,13 @@ def test_a_file_url_is_the_local_path_it_names_everywhere(tmp_path, monkeypatch,
     assert saved == tmp_path / "saved" and list(tdgather.open(f"file://{tmp_path}/saved")) == ["b.mp4"]
     assert main(["inspect", url]) == 0 and "'a.mp4'" in capsys.readouterr().out
     assert list(cwd.iterdir()) == []  # no ./file: directory
+
+
+def test_file_url_forms_of_rfc_8089_and_another_host(tmp_path):
+    from tdgather.storage.location import local_path
+
+    out = tdgather.save(tdgather.gather({"a.mp4": (0, torch.ones(2))}), f"file://localhost{tmp_path}/ds")
+    assert Path(out) == tmp_path / "ds"  # never ./localhost/...
+    assert list(tdgather.open(f"file:{tmp_path}/ds")) == ["a.mp4"]
+    with pytest.raises(ValueError, match="host 'nas'"):
+        local_path("file://nas/data/out")

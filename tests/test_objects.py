@@ -440,6 +440,9 @@ def test_two_jobs_on_one_prefix_one_commits_whole_the_other_names_it(s3, url, tm
     t.start()
     faults._wait_until((tmp_path / "alpha-open").exists, "job A's first shard", timeout=120)
     b = run_local_world(rc.case_job, 2, url, "beta", str(tmp_path), s3, False, timeout=150)
+    listed = set(tdgather.open(url, storage_options=s3).index["shards"])
+    a_shards = [n for n in objects(s3, url) if SHARD_NAME.fullmatch(n) and n not in listed]
+    assert a_shards  # B's commit left the shards of A, the run that opened before it and still runs
     (tmp_path / "go").touch()
     t.join(150)
     assert b == [{"type": None}, {"type": None}]
@@ -448,7 +451,7 @@ def test_two_jobs_on_one_prefix_one_commits_whole_the_other_names_it(s3, url, tm
     assert all(ds[n].frame_idx.tolist() == list(range(8)) for n in ds)
     a = first["a"]
     assert a[0]["type"] == "OutputError" and f"run {ds.metadata['run']}" in a[0]["message"], a
-    assert "nothing was committed" in a[0]["message"]
+    assert "another run committed a dataset there" in a[0]["message"] and "nothing of this run" in a[0]["message"]
     assert a[1]["type"] == "PeerError" and a[1]["rank"] == 0
 
 
@@ -478,3 +481,17 @@ def test_resume_beside_a_bare_partial_directory_keeps_the_complete_dataset(tmp_p
     ds = tdgather.open(out)
     assert sorted(ds) == ["a.mp4", "b.mp4"] and all((out / n).is_file() for n in ds.index["shards"])
     assert torch.equal(ds["a.mp4"].frames["depth"], torch.full((3, 4), 1.0))
+
+
+@pytest.mark.parametrize(
+    "run", ["../../zz/evil", "A" * 32, "1234", 7], ids=["a-path", "upper-case", "short", "not-a-string"]
+)
+def test_a_run_mark_edited_by_hand_is_refused_before_it_names_a_shard(mem, run):
+    """The mark's run id names shards: anything but the hex id tdgather writes is refused, nothing is changed."""
+    tdgather.save(frames(1.0), mem)
+    fs = fsspec.filesystem("memory")
+    mark = {"format": "tdgather", "run": run, "overwrite": True, "opened": 0.0, "host": "h", "pid": 1}
+    fs.pipe_file(mem.removeprefix("memory://") + "/" + RUN_NAME, json.dumps(mark).encode())
+    with pytest.raises(DatasetError, match=f"{RUN_NAME}: run: expected"):
+        tdgather.Collector(mem, resume=True, progress=False).open()
+    assert sorted(tdgather.open(mem)) == ["a.mp4", "b.mp4"]  # the complete dataset, as it was

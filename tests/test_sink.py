@@ -129,10 +129,24 @@ def test_overwrite_never_deletes_a_directory_that_is_not_a_tdgather_dataset(tmp_
     # shards without an index are not a dataset either
     bare = tmp_path / "bare"
     bare.mkdir()
-    (bare / "shard-00000.safetensors").write_bytes(b"x")
-    with pytest.raises(OutputError, match="it has shards but no tdgather.index.json"):
+    (bare / "shard-00000.safetensors").write_bytes(b"x")  # not even a shard: a user's file with our name
+    with pytest.raises(OutputError, match="holds files tdgather did not write.*'shard-00000.safetensors'"):
         tdgather.save(result, bare, overwrite=overwrite)
     assert (bare / "shard-00000.safetensors").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("where", ["ds", "ds.partial"])
+@pytest.mark.parametrize("name", ["shard-00099.safetensors", INCOMPLETE_NAME, RUN_NAME])
+def test_a_users_file_named_like_tdgathers_is_never_deleted_by_overwrite(tmp_path, where, name):
+    """Files are tdgather's by what they hold, not by their name alone (as in an object store)."""
+    result = tdgather.gather({"a": (0, torch.ones(1))})
+    tdgather.save(result, tmp_path / "ds")
+    (tmp_path / where).mkdir(exist_ok=True)
+    (tmp_path / where / name).write_text("my precious notes")
+    with pytest.raises(OutputError, match=rf"(did not write.*{name}|{name}.*did not write)"):
+        tdgather.save(result, tmp_path / "ds", overwrite=True)
+    assert (tmp_path / where / name).read_text() == "my precious notes"
+    assert list(tdgather.open(tmp_path / "ds")) == ["a"]
 
 
 @pytest.mark.parametrize("dangling", [False, True])

@@ -25,13 +25,30 @@ def is_url(path: Any) -> bool:
 
 
 def local_path(path: Any) -> Path:
-    """A local path: a ``file://`` URL's path (the scheme in any case, as `is_url` reads it), or the path as given.
+    """A local path: a ``file:`` URL's path, or the path as given.
 
-    >>> str(local_path("file:///data/out")), str(local_path("FILE:///data/out")), str(local_path("out"))
-    ('/data/out', '/data/out', 'out')
+    The URL forms of RFC 8089: ``file:///p``, ``file://localhost/p``, ``file:/p``; the scheme in any
+    case, as `is_url` reads it.
+
+    >>> [str(local_path(u)) for u in ("file:///data/out", "FILE:///d", "file://localhost/d", "file:/d", "out")]
+    ['/data/out', '/d', '/d', '/d', 'out']
+
+    Raises:
+        ValueError: a ``file://`` URL naming another host (a path on this machine is wanted).
     """
-    if isinstance(path, str) and path[: len("file://")].lower() == "file://":
-        return Path(path[len("file://") :])
+    if not isinstance(path, str) or path[:5].lower() != "file:":
+        return Path(path)
+    rest = path[5:]
+    if rest.startswith("//"):
+        host, slash, tail = rest[2:].partition("/")
+        if host.lower() not in ("", "localhost"):
+            raise ValueError(
+                f"{path!r}: a file URL of host {host!r}; expected a path on this machine (file:///path or "
+                "file://localhost/path), or an object store URL for a remote location"
+            )
+        return Path(slash + tail)
+    if rest.startswith("/"):
+        return Path(rest)
     return Path(path)
 
 

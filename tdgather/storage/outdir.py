@@ -16,13 +16,14 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import json
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import OutputError
-from ..format.names import INCOMPLETE_NAME, INDEX_NAME, RUN_NAME, SHARD_PATTERN
+from ..format.names import FORMAT, INCOMPLETE_NAME, INDEX_NAME, RUN_NAME, SHARD_NAME, SHARD_PATTERN
 
 __all__ = [
     "describe_names",
@@ -41,11 +42,47 @@ _OURS = re.compile(_FILES + r"|\." + _FILES + r"\.tmp-\d+")
 
 
 def _foreign(directory: Path) -> list[str]:
-    """Entries of ``directory`` that tdgather did not write (sorted); [] unless it is a directory."""
+    """Entries of ``directory`` that tdgather did not write (sorted); [] unless it is a directory.
+
+    A file named like tdgather's counts as tdgather's only if its first bytes say so (`_written_by_us`):
+    a user's file that happens to carry such a name is never deleted.
+    """
     if not directory.is_dir():
         return []
     names = os.listdir(directory)
-    return sorted(n for n in names if not (_OURS.fullmatch(n) and (directory / n).is_file()))
+    return sorted(
+        n
+        for n in names
+        if not (_OURS.fullmatch(n) and (directory / n).is_file() and not (directory / n).is_symlink())
+        or not _written_by_us(directory / n)
+    )
+
+
+_JSON_FORMAT = re.compile(rb'^\s*\{.*"format"\s*:\s*"' + FORMAT.encode() + rb'"', re.DOTALL)
+_JSON_HEAD = 4096  # the index, a record and a run mark name their format first
+_SHARD_HEAD_MAX = 100 << 20  # safetensors' own limit on a header
+
+
+def _written_by_us(path: Path) -> bool:
+    """Whether a file named like tdgather's is one.
+
+    A shard whose header says ``"format": "tdgather"``, a JSON object that names that format in its
+    first 4 KB, or a temporary file a killed writer left (never read).
+    """
+    if path.name.startswith("."):
+        return True
+    try:
+        with open(path, "rb") as f:
+            if not SHARD_NAME.fullmatch(path.name):
+                return _JSON_FORMAT.match(f.read(_JSON_HEAD)) is not None
+            size = int.from_bytes(f.read(8).ljust(8, b"\xff"), "little")
+            if size > _SHARD_HEAD_MAX:
+                return False
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, RecursionError):
+        return False
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
 def describe_names(names: list[str]) -> str:

@@ -127,7 +127,10 @@ class PrefixOutput:
             return self._opened(from_index(self.store), True)
         record = [INCOMPLETE_NAME] if INCOMPLETE_NAME in listing else []
         self._check_ours(loose + record)
-        self._stale = loose + record  # overwrite=True (or nothing of use): removed once this run commits
+        # overwrite=True (or nothing of use): removed once this run commits; not those of the run that
+        # opened last and did not commit, which may still be running (a second copy of one job)
+        live = mark.run[:RUN_TAG] if mark is not None and mark.run != index_run else None
+        self._stale = [n for n in loose + record if n == INCOMPLETE_NAME or _run_of(n) != live]
         self.overwrite, self.replaces, self._replaced = complete, index_run, listed
         return self._opened(RunState(new_run()), overwrite)
 
@@ -214,13 +217,25 @@ class PrefixOutput:
         return self.target
 
     def _is_my_mark(self) -> bool:
-        mark = RunMark.read(self.store)
+        try:
+            mark = RunMark.read(self.store)
+        except DatasetError:  # removed or rewritten meanwhile: another run's
+            return False
         return mark is not None and mark.run == self.run
 
     def _other(self) -> str:
-        """The other run, as the prefix names it: the committed index's run, and the run that opened last."""
-        _, committed, _ = index_runs(self.store)
-        mark = RunMark.read(self.store)
+        """The other run, as the prefix names it: the committed index's run, and the run that opened last.
+
+        Read while the other run may be removing its mark or rewriting the index: what is gone is not named.
+        """
+        try:
+            _, committed, _ = index_runs(self.store)
+        except DatasetError:
+            committed = None
+        try:
+            mark = RunMark.read(self.store)
+        except DatasetError:
+            mark = None
         said = [f"the index there is run {committed}'s"] if committed and committed != self.run else []
         if mark is not None and mark.run != self.run:
             said.append(f"the last to open it was {mark.describe()}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -27,6 +28,7 @@ from .store import Store
 __all__ = ["RunMark"]
 
 _MAX_BYTES = 64 << 10
+_RUN = re.compile(r"[0-9a-f]{32}")  # `tdgather.storage.recovery.new_run`: uuid4().hex
 
 
 @dataclass(frozen=True)
@@ -60,8 +62,11 @@ class RunMark:
         obj = c.mapping(load_json(store.read(RUN_NAME), c, "mark"), "mark")
         if obj.get("format") != FORMAT:
             raise c.fail("format", repr(FORMAT), obj.get("format"))
+        run = c.str(obj.get("run"), "run")
+        if not _RUN.fullmatch(run):  # it names shards: never a path
+            raise c.fail("run", "a run id of 32 lowercase hex digits (as tdgather writes it)", run)
         return cls(
-            run=c.str(obj.get("run"), "run"),
+            run=run,
             overwrite=_bool(c, obj.get("overwrite"), "overwrite"),
             opened=_number(c, obj.get("opened"), "opened"),
             host=c.str(obj.get("host"), "host"),
