@@ -7,6 +7,8 @@ demo:
 
 test:
 	./scripts/setup.sh test
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	.venv/bin/python -m pytest
 
 bench:
@@ -15,4 +17,5 @@ bench:
 
 lint:
 	./scripts/setup.sh dev
-	.venv/bin/ruff check tdgather tests benchmarks examples
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .

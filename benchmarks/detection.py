@@ -26,7 +26,7 @@ Methods, each timed on rank 0 from a barrier to its result, median of ``--repeat
   finding the leaves ragged late, against the declared (jagged) runs above.
 
 Also reported: bytes each method puts on the wire against the frame bytes (tdgather: preludes,
-headers, frame index and pieces, from `tdgather.dist.pack`; padding: the padded tensors; pickle: the
+headers, frame index and pieces, from `tdgather.comm.pack`; padding: the padded tensors; pickle: the
 pickled payload), and rank 0's peak resident data (anonymous memory) above its baseline.
 """
 
@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 import tdgather
+from tdgather.comm.pack import pack
+from tdgather.comm.wire import PRELUDE_LEN, encode_json
 from tdgather.core.ragged import Ragged
-from tdgather.dist.pack import pack
-from tdgather.dist.wire import PRELUDE_LEN, encode_json
 from tdgather.tools.launch import run_local_world
 
 from .memory import PeakSampler

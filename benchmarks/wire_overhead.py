@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 
 from tdgather import FrameStore
-from tdgather.dist.pack import pack
-from tdgather.dist.wire import PRELUDE_LEN, encode_json
+from tdgather.comm.pack import pack
+from tdgather.comm.wire import PRELUDE_LEN, encode_json
 
 from .workloads import WORKLOADS, batches, describe
 

@@ -592,10 +592,10 @@ def wire_roundtrip(store: tdgather.FrameStore, rank: int = 0):
 
     The wire without gloo: every step of the receive path but the transport itself.
     """
+    from tdgather.comm.pack import pack
+    from tdgather.comm.protocol import Joiner, as_bytes
+    from tdgather.comm.wire import Kind, Limits, decode_header, decode_index, decode_json, encode_json
     from tdgather.core.plan import Part
-    from tdgather.dist.pack import pack
-    from tdgather.dist.protocol import Joiner, as_bytes
-    from tdgather.dist.wire import Kind, Limits, decode_header, decode_index, decode_json, encode_json
 
     packed = pack(store)
     parsed = decode_json(encode_json(packed.header), rank, Limits())

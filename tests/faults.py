@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.dist.pack import pack
-from tdgather.dist.transport import Channel
-from tdgather.dist.wire import MAGIC, PRELUDE_LEN, VERSION, Kind, encode_json
+from tdgather.comm.pack import pack
+from tdgather.comm.transport import Channel
+from tdgather.comm.wire import MAGIC, PRELUDE_LEN, VERSION, Kind, encode_json
 
 from .cases import value
 

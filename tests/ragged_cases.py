@@ -177,7 +177,7 @@ def case_cut_mid_values(tmp: str) -> dict | None:
     import signal
     import time
 
-    from tdgather.dist.wire import MAGIC, PRELUDE_LEN, Kind
+    from tdgather.comm.wire import MAGIC, PRELUDE_LEN, Kind
 
     rank = dist.get_rank()
     store = tdgather.FrameStore()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.dist.shm import SEGMENT_NAME, pid_namespace
+from tdgather.comm.shm import SEGMENT_NAME, pid_namespace
 
 
 def frames(rank: int, b: int) -> dict:

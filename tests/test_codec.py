@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tdgather
+from tdgather.comm.pack import PIECE_MIN, pack
+from tdgather.comm.wire import Kind, Limits, Prelude, decode_header, decode_index, decode_json, encode_json
 from tdgather.core.dtypes import DTYPES
 from tdgather.core.merge import merge
-from tdgather.dist.pack import PIECE_MIN, pack
-from tdgather.dist.wire import Kind, Limits, Prelude, decode_header, decode_index, decode_json, encode_json
 from tdgather.errors import ProtocolError, ShapeMismatchError, UnsupportedValueError
 
 from .cases import bits, value, wire_roundtrip
@@ -82,7 +82,7 @@ def test_large_batches_go_on_the_wire_as_they_are_and_small_ones_are_joined():
 
 
 def test_a_batch_larger_than_a_piece_is_cut_into_whole_rows():
-    from tdgather.dist.pack import PIECE_MAX
+    from tdgather.comm.pack import PIECE_MAX
 
     store = tdgather.FrameStore(copy=False)
     rows = torch.randn(5, PIECE_MAX // 4 // 2 + 1)  # a row just over half a piece: one row per piece

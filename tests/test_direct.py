@@ -1,4 +1,4 @@
-"""gather's same-host senders write their rows straight into rank dst's result (`tdgather.dist.direct`)."""
+"""gather's same-host senders write their rows straight into rank dst's result (`tdgather.comm.direct`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
+from tdgather.comm.direct import ResultMemory, Target
 from tdgather.core.store import FrameStore
-from tdgather.dist.direct import ResultMemory, Target
 from tdgather.errors import ProtocolError
 from tdgather.tools.launch import WorldError, run_local_world
 

@@ -9,10 +9,10 @@ from safetensors import safe_open
 
 import tdgather
 from tdgather import DatasetError, DuplicateFrameError, ProtocolError, ShapeMismatchError, UnsupportedValueError
+from tdgather.comm.pack import pack
+from tdgather.comm.wire import Kind, Limits, decode_header, decode_index, decode_json, encode_json, index_offsets
 from tdgather.core.dtypes import DTYPES
 from tdgather.core.ragged import Ragged, padded
-from tdgather.dist.pack import pack
-from tdgather.dist.wire import Kind, Limits, decode_header, decode_index, decode_json, encode_json, index_offsets
 from tdgather.storage.writer import DatasetWriter
 from tdgather.tools.launch import WorldError, run_local_world
 

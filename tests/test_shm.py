@@ -10,8 +10,8 @@ import torch
 
 import tdgather
 from tdgather import ProtocolError
-from tdgather.dist.shm import RING, SegmentWriter, open_segment, pid_namespace, sweep
-from tdgather.dist.wire import Kind, decode_header
+from tdgather.comm.shm import RING, SegmentWriter, open_segment, pid_namespace, sweep
+from tdgather.comm.wire import Kind, decode_header
 from tdgather.tools.launch import WorldError, run_local_world
 
 from . import shm_cases as sc
@@ -78,7 +78,7 @@ def test_a_peer_naming_a_segment_is_checked_before_anything_is_mapped(shm, tmp_p
 def test_a_header_whose_segment_size_disagrees_with_its_groups_is_refused():
     store = tdgather.FrameStore()
     store.add(["a"], [0], torch.ones(1, 5))
-    from tdgather.dist.pack import pack
+    from tdgather.comm.pack import pack
 
     header = dict(pack(store).header)
     index_len = pack(store).index.numel()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tdgather
+from tdgather.comm.pack import PIECE_MIN, pack
 from tdgather.core.merge import merge
-from tdgather.dist.pack import PIECE_MIN, pack
 from tdgather.errors import ShapeMismatchError, UnsupportedValueError
 
 from .cases import wire_roundtrip

@@ -9,10 +9,10 @@ import torch.distributed as dist
 
 import tdgather
 from tdgather.api.gather import _send
-from tdgather.dist import transport
-from tdgather.dist.protocol import expect_done, read_frames
-from tdgather.dist.transport import Channel
-from tdgather.dist.wire import MAGIC, VERSION, Kind, Prelude, encode_json
+from tdgather.comm import transport
+from tdgather.comm.protocol import expect_done, read_frames
+from tdgather.comm.transport import Channel
+from tdgather.comm.wire import MAGIC, VERSION, Kind, Prelude, encode_json
 from tdgather.errors import PeerError
 
 

@@ -1,4 +1,4 @@
 """Layer 4, what users call: `gather`, and the `Collector` with its roles (senders, rank dst, block writers).
 
-Combines `tdgather.dist` (moving frames) with `tdgather.storage` (writing them).
+Combines `tdgather.comm` (moving frames) with `tdgather.storage` (writing them).
 """

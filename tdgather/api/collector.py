@@ -3,7 +3,7 @@
 Call order, on every rank of the group:
 
 1. ``open()`` (entering the ``with`` block): every rank agrees on the call (call number,
-   dst, path: `tdgather.dist.transport.begin_call`); rank ``dst`` checks the output directory and
+   dst, path: `tdgather.comm.transport.begin_call`); rank ``dst`` checks the output directory and
    answers every peer ``done`` (ready) or ``error``. Nothing is sent before that.
 2. ``add()`` / ``update()`` in the loop: frames go into a `FrameStore`. Every
    ``chunk_bytes`` the chunk is handed to a background thread, which packs and sends it.
@@ -41,8 +41,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..comm.transport import Call, as_timeout, begin_call, resolve_dst, transport_group
 from ..core.duplicates import DuplicatePolicy
-from ..dist.transport import Call, as_timeout, begin_call, resolve_dst, transport_group
 from ..storage.location import is_url, local_path, store_at
 from ..storage.recovery import Saved
 from ..storage.sink import SinkFactory

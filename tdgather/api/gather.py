@@ -2,10 +2,10 @@
 
 Call order, on every rank of the group:
 
-1. every rank agrees on the call (`tdgather.dist.transport.begin_call`: call number, dst); rank
+1. every rank agrees on the call (`tdgather.comm.transport.begin_call`: call number, dst); rank
    ``dst`` posts each sender a ready answer: its host, and the shared memory its result will be
-   placed in (`tdgather.dist.direct`);
-2. each sender reads it and posts its frames (`tdgather.dist.pack`, `tdgather.dist.protocol.send_frames`):
+   placed in (`tdgather.comm.direct`);
+2. each sender reads it and posts its frames (`tdgather.comm.pack`, `tdgather.comm.protocol.send_frames`):
    a data message with its frame index, the pieces, then ``done`` (or ``error`` when its own input
    was bad); then it waits for rank ``dst``'s answer (past its heartbeats), then for its sends. A
    sender on rank ``dst``'s host with large fixed-size frames sends no pieces: its data message
@@ -36,16 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.duplicates import DuplicateCounts, DuplicatePolicy
-from ..core.frames import Frames
-from ..core.gcpause import collection_paused
-from ..core.merge import merge
-from ..core.plan import Group, Mismatches, Part, Placement, joined_chunks, keep_first_layouts, place, scatter_chunks
-from ..core.promote import unify
-from ..core.store import FrameStore, as_store
-from ..dist.direct import ResultMemory, Target, fixed_size, result_nbytes
-from ..dist.pack import pack
-from ..dist.protocol import (
+from ..comm.direct import ResultMemory, Target, fixed_size, result_nbytes
+from ..comm.pack import pack
+from ..comm.protocol import (
     Joiner,
     end_stream,
     expect_done,
@@ -54,7 +47,7 @@ from ..dist.protocol import (
     send_frames,
     send_pieces,
 )
-from ..dist.transport import (
+from ..comm.transport import (
     Answers,
     Channel,
     Message,
@@ -65,7 +58,14 @@ from ..dist.transport import (
     resolve_dst,
     transport_group,
 )
-from ..dist.wire import DataHeader, Kind, error_header
+from ..comm.wire import DataHeader, Kind, error_header
+from ..core.duplicates import DuplicateCounts, DuplicatePolicy
+from ..core.frames import Frames
+from ..core.gcpause import collection_paused
+from ..core.merge import merge
+from ..core.plan import Group, Mismatches, Part, Placement, joined_chunks, keep_first_layouts, place, scatter_chunks
+from ..core.promote import unify
+from ..core.store import FrameStore, as_store
 from ..errors import FrameConflictError, PeerLostError, ProtocolError, TdgatherError
 from .landing import Landing, mark_landed
 
@@ -85,7 +85,7 @@ class GatherStats:
         duplicates: the copies dropped, exact and inexact, with the largest absolute difference.
         pieces: payload pieces received from the peers.
         written_in_place: peers on rank ``dst``'s host that copied their frames straight into the
-            result (`tdgather.dist.direct`), sending no pieces.
+            result (`tdgather.comm.direct`), sending no pieces.
         early_pieces: of them, those received before rank ``dst`` knew every row's place (into
             buffers of their own, scattered once it did): the transfer overlapping the placement.
     """

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
+from ..comm.protocol import as_bytes
+from ..comm.wire import DataHeader
 from ..core.ragged import values_of
 from ..core.rows import run_start, scatter_rows
-from ..dist.protocol import as_bytes
-from ..dist.wire import DataHeader
 
 __all__ = ["Landing", "mark_landed"]
 

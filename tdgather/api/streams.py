@@ -20,17 +20,17 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ..comm.pack import pack
+from ..comm.protocol import Joiner, end_stream, expect_done, read_frames, send_frames
+from ..comm.shm import PeerSegments, SegmentWriter, host_token, sweep
+from ..comm.transport import Answers, Call, heartbeat_interval, peer_error
+from ..comm.wire import HEARTBEAT, Kind, error_header
 from ..core.duplicates import DuplicateCounts, DuplicatePolicy, overlap_warning
 from ..core.merge import Merged, merge
 from ..core.metadata import USER_KEY, user_metadata
 from ..core.plan import Mismatches
 from ..core.pool import BufferPool
 from ..core.store import FrameStore
-from ..dist.pack import pack
-from ..dist.protocol import Joiner, end_stream, expect_done, read_frames, send_frames
-from ..dist.shm import PeerSegments, SegmentWriter, host_token, sweep
-from ..dist.transport import Answers, Call, heartbeat_interval, peer_error
-from ..dist.wire import HEARTBEAT, Kind, error_header
 from ..errors import DuplicateFrameError, PeerError, PeerLostError, ProtocolError, StalledError
 from ..format.parts import check_part, check_run, counts_of
 from ..storage.recovery import Saved
@@ -165,7 +165,7 @@ class Sender(_Side):
             self.saved = Saved.from_wire(ready.header["saved"], settings.dst)
             self.store = self._new_store()
         self.run = check_run(ready.header["run"], settings.dst) if "run" in ready.header else None
-        # rank dst on this host: chunks go through shared memory segments (`tdgather.dist.shm`)
+        # rank dst on this host: chunks go through shared memory segments (`tdgather.comm.shm`)
         here = host_token()
         self.segments = SegmentWriter() if here is not None and ready.header.get("host") == here else None
         self.answer = None

@@ -1,7 +1,7 @@
 """Stage 4a, placement: where every row goes, decided from the frame indexes alone.
 
 Rank dst has every sender's filenames and frame indexes before any payload arrives
-(`tdgather.dist.protocol`). `place` sorts all of them at once, per layout:
+(`tdgather.comm.protocol`). `place` sorts all of them at once, per layout:
 
 1. rows are ordered by (filename, frame_idx), stably, sources in the order given (callers pass
    them lowest rank first, so the first copy of a frame is the lowest rank's);
@@ -154,7 +154,7 @@ class Placement:
 
         Rows ``0 .. N-1`` are the result, then the later copies. A ragged leaf's buffer is a
         `Ragged` of N + D frames over new values. ``empty(shape, dtype)`` makes each (default
-        ``torch.empty``; rank dst's shared result memory: `tdgather.dist.direct`).
+        ``torch.empty``; rank dst's shared result memory: `tdgather.comm.direct`).
         """
         empty = empty or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
         offsets = self.offsets or [None] * len(self.layout.leaves)

@@ -11,7 +11,7 @@ group is a variable-length stack of same-shaped frames: it needs no padding.
   reference a row, so a name built per frame stays alive until `FrameStore.parts`);
 - a small batch to copy (up to 64 KiB) is copied, frame indexes and frames, into its layout's
   open block (one ``memmove`` each), after the batches before it: blocks double from 64 KiB to
-  4 MiB and are sent as they are (`tdgather.dist.pack`); other batches are chunks of their own.
+  4 MiB and are sent as they are (`tdgather.comm.pack`); other batches are chunks of their own.
 
 A filename given with a layout that does not fit its first (another dtype, dim after the first,
 or set of keys) is refused by the `add` or `update` that brings it, and nothing of that batch is

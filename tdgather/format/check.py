@@ -103,7 +103,7 @@ def json_scalar(line: bytes, c: Check, field: str) -> Any:
 
 
 def check_layout(obj: Any, c: Check, field: str) -> Layout:
-    """A group description, validated as the wire validates one (`tdgather.dist.wire`)."""
+    """A group description, validated as the wire validates one (`tdgather.comm.wire`)."""
     return decode_layout(obj, c, field)
 
 

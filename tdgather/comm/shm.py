@@ -4,7 +4,7 @@ On one host, gloo's TCP loopback is far below what memory moves. A sender that s
 host (rank dst names its host in the ready answer: `host_token`) writes a packed chunk's pieces
 into a new file in ``/dev/shm`` (`SegmentWriter`) and sends the data message with
 ``"shm": {"name", "size"}`` instead of piece messages. Each tensor leaf's bytes start at a multiple
-of `ALIGN`, in the order the pieces would have come (`tdgather.dist.wire.segment_offsets`).
+of `ALIGN`, in the order the pieces would have come (`tdgather.comm.wire.segment_offsets`).
 
 Rank dst treats the segment as hostile input (`open_segment`): the name must be one tdgather makes
 (no path), the file a regular file of its own user in the segment directory, not a link, of exactly

@@ -21,7 +21,7 @@ three times, the last ones by rank dst alone.
    Rank dst counts that sender's frames as landed only on its ``done``: a sender killed mid-write
    loses only its own frames, which the result leaves out, as it does a gloo sender's.
 
-``TDGATHER_SHM=0`` turns this off with the rest of the same-host path (`tdgather.dist.shm`).
+``TDGATHER_SHM=0`` turns this off with the rest of the same-host path (`tdgather.comm.shm`).
 Processes of the job's own user are trusted with the memfd, as with segments: they can already
 attach to the job's processes.
 """
@@ -72,8 +72,10 @@ def fixed_size(parts: list[Part]) -> bool:
 
 
 def wants_direct(parts: list[Part], least: int = DIRECT_MIN) -> bool:
-    """Whether a sender's frames can be written in place: every leaf fixed-size, ``least`` bytes or more
-    in frames of `DIRECT_ROW` bytes or more on average."""
+    """Whether a sender's frames can be written in place.
+
+    Every leaf fixed-size, ``least`` bytes or more in frames of `DIRECT_ROW` bytes or more on average.
+    """
     if not fixed_size(parts):
         return False
     nbytes = sum(p.nbytes for p in parts)
@@ -200,7 +202,11 @@ class Target:
         st = os.fstat(self.fd)
         seals = fcntl.fcntl(self.fd, fcntl.F_GET_SEALS)
         if st.st_size != size or seals & _SEALS != _SEALS:
-            raise c.fail("header.place.size", f"a memfd of {size} bytes sealed against resizing", f"{st.st_size} bytes, seals {seals:#x}")
+            raise c.fail(
+                "header.place.size",
+                f"a memfd of {size} bytes sealed against resizing",
+                f"{st.st_size} bytes, seals {seals:#x}",
+            )
         groups = c.list(place["groups"], "header.place.groups", len(parts))
         if not size:
             return

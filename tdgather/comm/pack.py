@@ -8,7 +8,7 @@ leaf's values: its frames' rows back to back, no padding):
 - a batch of at least `PIECE_MIN` bytes goes on the wire as it is (cut into pieces of at most
   `PIECE_MAX` bytes, whole rows), with no copy;
 - smaller batches are joined into pieces of about `PIECE_TARGET` bytes, through a reused
-  buffer of the sender (`tdgather.dist.protocol.send_frames`).
+  buffer of the sender (`tdgather.comm.protocol.send_frames`).
 
 A piece is two gloo messages (its prelude, then its bytes), and gloo sends each only once the
 receiver has posted for it: a round trip each. Measured on 2 cores (``benchmarks.suite``, mixed

@@ -3,11 +3,11 @@
 A sender's stream is, in order: any number of (``data`` message, its ``piece`` messages), then
 ``done`` (its frame count) or ``error`` (type and message, as JSON). A ``data`` message with no
 groups is a heartbeat. Rank dst answers each sender ``done`` or ``error`` once, and sends it
-heartbeats until then (`tdgather.dist.transport.Answers`).
+heartbeats until then (`tdgather.comm.transport.Answers`).
 
-- `send_frames` posts a packed store (`tdgather.dist.pack`): the data message, then each piece, a
+- `send_frames` posts a packed store (`tdgather.comm.pack`): the data message, then each piece, a
   batch as the sender holds it or small batches joined; to a peer on the same host, the pieces
-  written into one shared memory segment instead, named in the data message (`tdgather.dist.shm`);
+  written into one shared memory segment instead, named in the data message (`tdgather.comm.shm`);
 - `read_pieces` receives the pieces of a data message where rank dst wants them (``land``),
   running the previous piece's scatter while the next is on the wire;
 - `read_frames` receives them into new buffers, in the sender's row order (the Collector);

@@ -20,7 +20,7 @@ Frames travel as a ``data`` message followed by its ``piece`` messages:
 Every size is known before anything is allocated, and `Prelude.decode` and `decode_header`
 check every field first. No pickle: non-tensor values travel as JSON.
 
-The call number (the count of tdgather calls on the group, `tdgather.dist.transport.begin_call`),
+The call number (the count of tdgather calls on the group, `tdgather.comm.transport.begin_call`),
 the destination rank and the call digest (of the call's kind and path) tie every message to
 one call, so a message of another call is refused, never merged. A data message with no
 groups is a heartbeat.
@@ -184,14 +184,14 @@ class GroupSpec:
 class DataHeader:
     """The validated header of a data message (no groups: a heartbeat).
 
-    ``shm``: ``(name, size, keep)`` of the shared memory segment that holds its pieces (`tdgather.dist.shm`),
+    ``shm``: ``(name, size, keep)`` of the shared memory segment that holds its pieces (`tdgather.comm.shm`),
     each tensor leaf at `segment_offsets`; None when the pieces follow as messages.
     """
 
     files: tuple[str, ...]
     groups: tuple[GroupSpec, ...]
     shm: tuple[str, int, bool] | None = None
-    direct: bool = False  # the sender will write its rows into rank dst's result (`tdgather.dist.direct`)
+    direct: bool = False  # the sender will write its rows into rank dst's result (`tdgather.comm.direct`)
 
     @property
     def num_frames(self) -> int:

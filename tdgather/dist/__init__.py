@@ -1,4 +1,0 @@
-"""Layer 3b, between processes.
-
-The wire format, per-peer message streams, the protocol of one sender's stream, and packing a store for the wire. Uses `tdgather.core`; never `tdgather.storage`.
-"""
