@@ -272,9 +272,7 @@ class Collector:
 
         A call is progress (`tdgather.api.liveness`), as ``add`` is.
         """
-        side = self._active()
-        side.progress.touch("status()")
-        return side.status()
+        return self._active("status()").status()
 
     @property
     def saved(self) -> Saved:
@@ -292,9 +290,7 @@ class Collector:
         ``ragged=False`` is for the whole run: pass it to the Collector (every rank and rank dst then hold to it).
         """
         self._check_fixed(ragged)
-        side = self._active()
-        side.progress.touch("add()")
-        side.add(filenames, frame_idx, frames, ragged=ragged)
+        self._active("add()").add(filenames, frame_idx, frames, ragged=ragged)
 
     def _check_fixed(self, ragged: Any) -> None:
         if ragged is False and not self.fixed:
@@ -306,9 +302,7 @@ class Collector:
     def update(self, predictions: Mapping[str, Any], *, ragged: Any = ()) -> None:
         """Add ``{filename: (frame_idx, value)}`` or a list of such pairs per filename (as `FrameStore.update`)."""
         self._check_fixed(ragged)
-        side = self._active()
-        side.progress.touch("update()")
-        side.update(predictions, ragged=ragged)
+        self._active("update()").update(predictions, ragged=ragged)
 
     def close(self) -> CollectorSummary | None:
         """Flush and finish; on rank ``dst`` write the index and return the summary, elsewhere None."""
@@ -359,7 +353,10 @@ class Collector:
         else:
             self.abort(exc)
 
-    def _active(self) -> Sender | Destination:
+    def _active(self, call: str | None = None) -> Sender | Destination:
+        """The open side; ``call`` (``"add()"``) is the loop's progress (`tdgather.api.liveness`)."""
         if self._side is None:
             raise RuntimeError("Collector is not open: use it as `with Collector(...) as col:` or call open()")
+        if call is not None:
+            self._side.progress.touch(call)
         return self._side

@@ -102,7 +102,6 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
-        self.on_stall = None  # type: ignore[assignment]
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):

@@ -450,17 +450,13 @@ class Destination(_Side):
         spill, open_sources = Spill(), {*self.channels, self.rank}
         tick = min(1.0, self.settings.commit_every / 4)
         while open_sources:
+            self.report.tick()
             try:
                 kind, src, item = self.queue.get(timeout=tick)
             except queue.Empty:  # nothing arrived: what is held is still written in time (`Settings.commit_every`)
-                self.report.tick()
-                due = (spill.parts and spill.due(self.settings)) or self.pending.due(self.settings)
-                if due and not self.write_failed:
-                    self._spill(spill, write=True)
-                    self.pool.give(spill.buffers)
-                    spill = Spill()
+                if spill.due(self.settings) or self.pending.due(self.settings):
+                    spill = self._merge(spill, write=True)
                 continue
-            self.report.tick()
             if kind == "end":
                 open_sources.discard(src)
                 if item is not None:
@@ -482,11 +478,15 @@ class Destination(_Side):
             spill.add(parts, buffers, size + bookkeeping_bytes(parts, frames), size)
             due = spill.due(self.settings) or self.pending.due(self.settings)
             if spill.full(self.settings, self.pending.nbytes) or due:
-                self._spill(spill, write=due)
-                self.pool.give(spill.buffers)  # merged or written: the buffers take the next chunks
-                spill = Spill()
+                spill = self._merge(spill, write=due)
         if spill.parts or self.pending.groups:
             self._spill(spill, write=True)
+
+    def _merge(self, spill: Spill, write: bool) -> Spill:
+        """`_spill`, then its buffers go back to the pool (merged or written: they take the next chunks)."""
+        self._spill(spill, write)
+        self.pool.give(spill.buffers)
+        return Spill()
 
     def _spill(self, spill: Spill, write: bool = False) -> None:
         """Merge the spill into the shard being gathered (``self.pending``); write that shard when full, or ``write``.

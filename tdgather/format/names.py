@@ -34,6 +34,7 @@ __all__ = [
     "CRC32_VERSION",
     "RAGGED_VERSION",
     "RUN_TAG",
+    "shard_run",
     "shard_tag",
     "FORMAT",
     "GROUP_NAME",
@@ -161,6 +162,16 @@ def shard_tag(name: str) -> tuple[str, int] | None:
     if m is None:
         raise ValueError(f"not a shard name: {name!r}")
     return None if m[3] is None else (m[3], int(m[4]))
+
+
+def shard_run(name: str) -> str:
+    """The run prefix (`RUN_TAG` hex digits) a tagged shard name carries; ``""`` for an untagged name.
+
+    >>> shard_run("shard-00000.0123456789ab-2.safetensors"), shard_run("shard-00000.safetensors")
+    ('0123456789ab', '')
+    """
+    tag = shard_tag(name)
+    return "" if tag is None else tag[0]
 
 
 def shard_numbers(name: str) -> tuple[int | None, int]:

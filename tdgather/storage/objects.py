@@ -31,7 +31,7 @@ import torch
 
 from ..core.dtypes import SAFETENSORS_CODE
 from ..errors import DatasetError, OutputError, TdgatherError
-from ..format.names import RUN_TAG, SHARD_NAME, shard_tag
+from ..format.names import RUN_TAG, SHARD_NAME, shard_run
 from .store import Written, hashed
 
 __all__ = ["BLOCK_BYTES", "PARTS_IN_FLIGHT", "ObjectStore", "RangeShard"]
@@ -335,7 +335,7 @@ class ObjectStore:
                 page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **more)
                 for upload in page.get("Uploads", []):
                     name = upload["Key"][len(prefix) :]
-                    if SHARD_NAME.fullmatch(name) and (shard_tag(name) or ("",))[0] in tags:
+                    if SHARD_NAME.fullmatch(name) and shard_run(name) in tags:
                         self.fs.call_s3(
                             "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                         )

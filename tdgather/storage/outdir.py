@@ -49,13 +49,12 @@ def _foreign(directory: Path) -> list[str]:
     """
     if not directory.is_dir():
         return []
-    names = os.listdir(directory)
-    return sorted(
-        n
-        for n in names
-        if not (_OURS.fullmatch(n) and (directory / n).is_file() and not (directory / n).is_symlink())
-        or not _written_by_us(directory / n)
-    )
+    return sorted(n for n in os.listdir(directory) if not _is_ours(directory / n))
+
+
+def _is_ours(path: Path) -> bool:
+    """A regular file (not a link) with one of tdgather's names, that holds what tdgather writes there."""
+    return bool(_OURS.fullmatch(path.name)) and path.is_file() and not path.is_symlink() and _written_by_us(path)
 
 
 _JSON_FORMAT = re.compile(rb'^\s*\{.*"format"\s*:\s*"' + FORMAT.encode() + rb'"', re.DOTALL)

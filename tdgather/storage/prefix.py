@@ -38,7 +38,7 @@ from ..format.names import (
     RUN_TAG,
     SHARD_NAME,
     SHARD_PATTERN,
-    shard_tag,
+    shard_run,
 )
 from .outdir import describe_names
 from .recovery import RunState, from_index, from_shards, index_runs, loose_shards, new_run
@@ -107,7 +107,7 @@ class PrefixOutput:
                 "tdgather.open(url, incomplete=True))"
             )
         if resume and loose:
-            if len({_run_of(n) for n in loose}) > 1:  # shards of several runs, and no mark naming the last
+            if len({shard_run(n) for n in loose}) > 1:  # shards of several runs, and no mark naming the last
                 raise OutputError(
                     f"{self.target!r} holds shards of several interrupted runs and no {RUN_NAME} naming the last; "
                     "read them with tdgather.open(url, incomplete=True), or pass overwrite=True to start over"
@@ -130,7 +130,7 @@ class PrefixOutput:
         # overwrite=True (or nothing of use): removed once this run commits; not those of the run that
         # opened last and did not commit, which may still be running (a second copy of one job)
         live = mark.run[:RUN_TAG] if mark is not None and mark.run != index_run else None
-        self._stale = [n for n in loose + record if n == INCOMPLETE_NAME or _run_of(n) != live]
+        self._stale = [n for n in loose + record if n == INCOMPLETE_NAME or shard_run(n) != live]
         self.overwrite, self.replaces, self._replaced = complete, index_run, listed
         return self._opened(RunState(new_run()), overwrite)
 
@@ -138,7 +138,7 @@ class PrefixOutput:
         self, mark: RunMark, loose: list[str], complete: bool, overwrite: bool, index_run: str | None, listed: set[str]
     ) -> RunState:
         """Continue the run ``mark`` names, from its shards (none: a new attempt); other runs' are stale."""
-        mine = [n for n in loose if _run_of(n) == mark.run[:RUN_TAG]]
+        mine = [n for n in loose if shard_run(n) == mark.run[:RUN_TAG]]
         if complete and not (overwrite or mark.overwrite):
             raise OutputError(
                 f"{self.target!r} holds a complete dataset, and the interrupted {mark.describe()}, which did not "
@@ -211,17 +211,21 @@ class PrefixOutput:
                 if name == INCOMPLETE_NAME or self._is_my_mark():
                     self.store.remove(name)
             elif SHARD_NAME.fullmatch(name) and name not in keep:
-                if _run_of(name) in ours or name in self._replaced or name in stale:
+                if shard_run(name) in ours or name in self._replaced or name in stale:
                     self.store.remove(name)  # this run's, the replaced dataset's, or a failed run's left at open
         self.store.abort_uploads(ours)  # S3: an upload a killed attempt of this run (or the replaced one) left
         return self.target
 
     def _is_my_mark(self) -> bool:
-        try:
-            mark = RunMark.read(self.store)
-        except DatasetError:  # removed or rewritten meanwhile: another run's
-            return False
+        mark = self._mark_now()
         return mark is not None and mark.run == self.run
+
+    def _mark_now(self) -> RunMark | None:
+        """The mark there now; None also where another run removes or rewrites it meanwhile."""
+        try:
+            return RunMark.read(self.store)
+        except DatasetError:
+            return None
 
     def _other(self) -> str:
         """The other run, as the prefix names it: the committed index's run, and the run that opened last.
@@ -232,10 +236,7 @@ class PrefixOutput:
             _, committed, _ = index_runs(self.store)
         except DatasetError:
             committed = None
-        try:
-            mark = RunMark.read(self.store)
-        except DatasetError:
-            mark = None
+        mark = self._mark_now()
         said = [f"the index there is run {committed}'s"] if committed and committed != self.run else []
         if mark is not None and mark.run != self.run:
             said.append(f"the last to open it was {mark.describe()}")
@@ -256,8 +257,3 @@ class PrefixOutput:
 
     def close(self) -> None:
         """Nothing is held."""
-
-
-def _run_of(shard: str) -> str:
-    """The run prefix a shard's name carries ("" for an untagged name)."""
-    return (shard_tag(shard) or ("",))[0]

@@ -51,7 +51,7 @@ from ..format.names import (
     RUN_TAG,
     SHARD_NAME,
     shard_order,
-    shard_tag,
+    shard_run,
 )
 from ..format.records import Attempt, Failure
 from .combine import resolve
@@ -300,7 +300,7 @@ def loose_shards(store: Store, listing: Iterable[str] | None = None) -> list[str
     names = sorted(n for n in (store.list() if listing is None else listing) if SHARD_NAME.fullmatch(n))
     listed, _, replaces = index_runs(store)
     left_behind = replaces[:RUN_TAG] if replaces else None
-    return [n for n in names if n not in listed and (shard_tag(n) or ("",))[0] != left_behind]
+    return [n for n in names if n not in listed and shard_run(n) != left_behind]
 
 
 def prefix_state(store: Store) -> RunState | None:
