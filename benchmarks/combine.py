@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 import tdgather
-import tdgather.storage.recovery as resume
+import tdgather.storage.scan as scan
 import tdgather.storage.writer as sink
 from tdgather.storage.writer import DatasetWriter
 
 from .report import machine
 
-STAGES = {"records": (sink, "from_shards"), "copies": (resume, "resolve"), "index check": (resume, "check_index")}
+STAGES = {"records": (sink, "from_shards"), "copies": (scan, "resolve"), "index check": (scan, "check_index")}
 
 
 def _timed(seconds: dict[str, float]) -> None:
@@ -54,7 +54,7 @@ def one_run(root: Path, writers: int, videos: int, frames: int) -> dict[str, flo
     w0 = DatasetWriter(root, writer=0)
     parts = {}
     for w in range(writers):
-        d = w0 if w == 0 else DatasetWriter(root, writer=w, part=(w0.run, w0.attempt))
+        d = w0 if w == 0 else DatasetWriter(root, writer=w, joins=(w0.run, w0.attempt))
         idx = torch.arange(w, frames, writers)
         d.write(
             {

@@ -5,7 +5,7 @@ store filled before the timing as `tdgather_gather` does) or ``python -m benchma
 300 --world 2`` (every sender streams that many MB of 1 MiB frames to a Collector, as
 `benchmarks.host` does; ``--pace`` seconds between batches of 32 MiB, as an inference loop spaces
 them, so that rank dst keeps up: the ring of shared memory segments is then written again, and a
-sender's ``SegmentWriter.write`` shows what a chunk costs it; ``--ranks-per-writer 1``, every rank
+sender's ``ShmWriter.write`` shows what a chunk costs it; ``--ranks-per-writer 1``, every rank
 writes its own shards). ``TDGATHER_SHM=0`` sends every byte over gloo; ``TDGATHER_SHM_RING=0``
 writes every chunk into a new segment. A gather's result is freed after the clock stops, as
 `benchmarks.suite` does.
@@ -51,11 +51,13 @@ STAGES = {  # module: names (a "Class.method" is wrapped on its class)
         "_Receive._result",
         "Landing.finish",
     ],
-    "tdgather.api.streams": ["pack", "send_frames", "read_frames", "merge", "Destination._spill"],
+    "tdgather.api.sending": ["pack", "send_frames"],
+    "tdgather.api.destination": ["read_frames"],
+    "tdgather.api.writing": ["merge", "WriteLoop._spill"],
     "tdgather.api.collector": ["Collector.add", "Collector.__enter__", "Collector.__exit__"],
-    "tdgather.comm.protocol": ["open_segment", "Joiner.join"],
+    "tdgather.comm.protocol": ["open_shm", "Joiner.join"],
     "tdgather.comm.transport": ["decode_json", "decode_header", "decode_index", "Channel.recv_answer"],
-    "tdgather.comm.shm": ["SegmentWriter.write", "SegmentWriter._handed_back", "_hand_back", "_fill"],
+    "tdgather.comm.shm": ["ShmWriter.write", "ShmWriter._handed_back", "_hand_back", "_fill"],
     "tdgather.comm.direct": ["ResultMemory.arena", "Target.write", "Target.open"],
     "tdgather.storage.writer": ["DatasetWriter._write_shard"],
     "os": ["fsync"],

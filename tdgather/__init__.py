@@ -4,8 +4,8 @@ from .api.collector import Collector, CollectorStatus, CollectorSummary
 from .api.gather import Gathered, GatherStats, gather
 from .core.duplicates import DuplicateCounts, DuplicatePolicy
 from .core.frames import Frames
+from .core.framestore import FrameStore
 from .core.ragged import padded
-from .core.store import FrameStore
 from .errors import (
     CallMismatchError,
     DatasetError,
@@ -22,9 +22,18 @@ from .errors import (
     Terminated,
     UnsupportedValueError,
 )
+from .integrations.hf import to_hf
 from .storage.reader import Dataset
 from .storage.reader import open_dataset as open
+from .storage.resume import saved_at
 from .storage.save import save
+from .storage.saved import Saved
+from .storage.sink import Sink, SinkFactory
+from .storage.views import collate_frames
+
+# ``ds.to_hf(...)``: the Hugging Face export is an integration, which the storage layer (the reader) may not
+# import; every Dataset is made after this package is imported, so each has the method
+Dataset.to_hf = to_hf
 
 __all__ = [
     "CallMismatchError",
@@ -46,15 +55,21 @@ __all__ = [
     "PeerError",
     "PeerLostError",
     "ProtocolError",
+    "Saved",
     "ShapeMismatchError",
+    "Sink",
+    "SinkFactory",
     "StalledError",
     "TdgatherError",
     "Terminated",
     "UnsupportedValueError",
+    "collate_frames",
     "gather",
     "open",
     "padded",
     "save",
+    "saved_at",
+    "to_hf",
 ]
 
 __version__ = "0.1.0"

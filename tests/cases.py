@@ -595,7 +595,7 @@ def wire_roundtrip(store: tdgather.FrameStore, rank: int = 0):
     from tdgather.comm.pack import pack
     from tdgather.comm.protocol import Joiner, as_bytes
     from tdgather.comm.wire import Kind, Limits, decode_header, decode_index, decode_json, encode_json
-    from tdgather.core.plan import Part
+    from tdgather.core.part import Part
 
     packed = pack(store)
     parsed = decode_json(encode_json(packed.header), rank, Limits())

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.comm.shm import SEGMENT_NAME, pid_namespace
+from tdgather.comm.shm import SHM_NAME, pid_namespace
 
 
 def frames(rank: int, b: int) -> dict:
@@ -44,11 +44,11 @@ def case_collect(path: str, env: dict, batches: int = 24, orphan: str | None = N
 
 
 def case_sender_killed(path: str, env: dict, tmp: str, batches: int = 6) -> dict | None:
-    """Rank 1 hands ``batches`` chunks over in segments (its ring among them), then is SIGKILLed.
+    """Rank 1 hands ``batches`` chunks over in shm files (its ring among them), then is SIGKILLed.
 
-    Before it dies it leaves beside them a segment of its own writer that no header named (a chunk it
-    was killed writing), and a decoy: a segment of another writer of its process (another run's).
-    Rank 0 returns the error it saw and what is left in the segment directory once its Collector ended.
+    Before it dies it leaves beside them an shm file of its own writer that no header named (a chunk it
+    was killed writing), and a decoy: an shm file of another writer of its process (another run's).
+    Rank 0 returns the error it saw and what is left in the shm file directory once its Collector ended.
     """
     os.environ.update(env)
     rank, where, go = dist.get_rank(), Path(env["TDGATHER_SHM_DIR"]), Path(tmp, "go")
@@ -66,7 +66,7 @@ def case_sender_killed(path: str, env: dict, tmp: str, batches: int = 6) -> dict
                 while not go.exists():
                     time.sleep(0.01)
                 names = [n.removesuffix(".free") for n in os.listdir(where)]
-                mine = [m for m in map(SEGMENT_NAME.fullmatch, names) if m and m[1] == str(os.getpid())]
+                mine = [m for m in map(SHM_NAME.fullmatch, names) if m and m[1] == str(os.getpid())]
                 writer = mine[0][0].rsplit("-", 1)[0]
                 (where / f"{writer}-99").write_bytes(b"x")  # never named in a header
                 other = f"tdgather-{os.getpid()}-{pid_namespace()}-{'0' * 8 if mine[0][3] != '0' * 8 else '1' * 8}-0"

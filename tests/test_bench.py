@@ -206,7 +206,7 @@ def test_stages_smoke(tmp_path):
         total, n, first, last = stages["(the call)"]
         assert n == 1 and first == 0 and last == total > 0
     assert dst["writer.DatasetWriter._write_shard"][1] >= 1  # the dataset was written on rank 0
-    assert any(label.startswith("streams.send_frames") for label in sender)  # and sent by rank 1
+    assert any(label.startswith("sending.send_frames") for label in sender)  # and sent by rank 1
 
 
 @pytest.mark.world

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tdgather.comm.direct import ResultMemory, Target
-from tdgather.core.store import FrameStore
+from tdgather.core.framestore import FrameStore
 from tdgather.errors import ProtocolError
 from tdgather.tools.launch import WorldError, run_local_world
 

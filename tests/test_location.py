@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import tdgather
+from tdgather import saved_at
 from tdgather.format.names import INDEX_NAME
-from tdgather.storage.recovery import saved_at
 from tdgather.tools.cli import main
 
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import tdgather
+from tdgather import saved_at
 from tdgather.errors import DatasetError, OutputError
 from tdgather.format.names import INCOMPLETE_NAME, INDEX_NAME, RUN_NAME, SHARD_NAME
-from tdgather.storage.recovery import saved_at
 from tdgather.tools.cli import main as cli
 from tdgather.tools.launch import WorldError, run_local_world
 
@@ -387,14 +387,15 @@ def test_bad_storage_options_and_a_missing_backend_say_what_to_fix(s3):
 def test_a_multipart_upload_is_whole_or_absent(s3, url):
     """Parts upload several at a time; the object appears once complete; an error mid-stream leaves nothing."""
     from tdgather.storage.objects import ObjectStore
+    from tdgather.storage.store import digest
 
     store = ObjectStore(url, s3, block_bytes=5 << 20)  # S3's smallest part: 23 MiB make 5 parts
     data = torch.randint(0, 256, (23 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     chunks = [memoryview(data[i : i + (3 << 20)].numpy()) for i in range(0, data.numel(), 3 << 20)]
     written = store.put("shard-00000.safetensors", iter(chunks))
     assert store.read("shard-00000.safetensors") == data.numpy().tobytes()
-    digest = store.digest("shard-00000.safetensors")
-    assert written.size == digest.size == 23 << 20 and written.sha256 == digest.sha256
+    read = digest(store, "shard-00000.safetensors")
+    assert written.size == read.size == 23 << 20 and written.sha256 == read.sha256
 
     def failing():
         yield from chunks[:4]  # 12 MiB: two parts sent

@@ -97,18 +97,18 @@ def write_header(shard: Path, head: dict, data: bytes) -> None:
 
 
 class Opens:
-    """Records every shard path the reader opens (through safetensors)."""
+    """Records every shard path the reader opens (each local file is opened as a `MappedFile`)."""
 
     def __init__(self):
         self.paths = []
-        self._real = tdgather.storage.store.safe_open
+        self._real = tdgather.storage.store.MappedFile
 
     def __call__(self, path, *args, **kw):
         self.paths.append(os.path.realpath(path))
         return self._real(path, *args, **kw)
 
     def __enter__(self):
-        self._patch = mock.patch.object(tdgather.storage.store, "safe_open", self)
+        self._patch = mock.patch.object(tdgather.storage.store, "MappedFile", self)
         self._patch.start()
         return self
 

@@ -1,4 +1,4 @@
-"""Resume (`Collector(resume=True)`, `tdgather.storage.recovery`): a failed run continued gives the uninterrupted
+"""Resume (`Collector(resume=True)`, `tdgather.storage.resume`): a failed run continued gives the uninterrupted
 run's dataset bit for bit, in real gloo worlds where a rank, or rank dst while writing, is SIGKILLed."""
 
 import json
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import tdgather
+from tdgather import Saved, saved_at
 from tdgather.errors import DatasetError, OutputError, ProtocolError
 from tdgather.format.names import INCOMPLETE_NAME
-from tdgather.storage.recovery import Saved, saved_at
 from tdgather.tools.launch import WorldError, run_local_world
 
 from . import resume_cases as rc

@@ -1,4 +1,5 @@
-"""`tdgather.storage.views`: one item per frame (`FrameDataset`, a DataLoader) and Hugging Face datasets (`to_hf`)."""
+"""`tdgather.storage.views`: one item per frame (`FrameDataset`, a DataLoader); `tdgather.integrations.hf`: Hugging Face
+datasets (`to_hf`)."""
 
 import pickle
 import re

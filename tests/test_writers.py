@@ -1,4 +1,4 @@
-"""One dataset from many writers (`Collector(ranks_per_writer=k)`, `tdgather.format.parts`), in real gloo worlds.
+"""One dataset from many writers (`Collector(ranks_per_writer=k)`, `tdgather.format.blocks`), in real gloo worlds.
 
 Every multi-writer dataset is compared bit for bit with what one writer (rank 0) writes from the
 same frames: through `tdgather.open`, through plain safetensors following the index, and in the
@@ -16,7 +16,7 @@ import torch
 import tdgather
 from tdgather.core.ragged import Ragged
 from tdgather.errors import OutputError, ProtocolError
-from tdgather.format.parts import check_part, check_run
+from tdgather.format.blocks import check_report, check_run
 from tdgather.storage.writer import DatasetWriter
 from tdgather.tools.launch import WorldError, run_local_world
 
@@ -178,15 +178,15 @@ def test_ranks_that_disagree_on_the_writers_fail_and_do_not_hang(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "part, field",
+    "report, field",
     [
-        (None, "done.part"),
-        ({"shards": [], "frames_per_rank": [], "duplicates": {}}, "done.part.shards"),
-        ({"shards": {"../x": {}}, "frames_per_rank": [], "duplicates": {}}, "done.part.shards['../x']"),
+        (None, "done.report"),
+        ({"shards": [], "frames_per_rank": [], "duplicates": {}}, "done.report.shards"),
+        ({"shards": {"../x": {}}, "frames_per_rank": [], "duplicates": {}}, "done.report.shards['../x']"),
         ({"shards": {"shard-00000-00000.safetensors": {}}, "frames_per_rank": [], "duplicates": {}}, "shards["),
         (
             {"shards": {"shard-00001-00000.safetensors": {"frames": 1, "bytes": 1, "size": "x"}}},
-            "done.part",
+            "done.report",
         ),
         (
             {
@@ -214,19 +214,19 @@ def test_ranks_that_disagree_on_the_writers_fail_and_do_not_hang(tmp_path):
         ),
     ],
 )
-def test_a_malformed_part_from_a_writer_is_refused(part, field):
+def test_a_malformed_report_from_a_writer_is_refused(report, field):
     with pytest.raises(ProtocolError) as e:
-        check_part(part, 2, 1)
+        check_report(report, 2, 1)
     assert e.value.rank == 2 and field in str(e.value)
 
 
-def test_a_part_and_a_run_as_sent_are_accepted():
-    part = {
+def test_a_report_and_a_run_as_sent_are_accepted():
+    report = {
         "shards": {"shard-00001-00003.safetensors": {"frames": 4, "bytes": 64, "size": 900, "sha256": "0" * 64}},
         "frames_per_rank": [[2, 3], [3, 1]],
         "duplicates": {"exact": 1, "inexact": 0, "max_abs_diff": "inf"},
     }
-    assert check_part(part, 2, 1) == part
+    assert check_report(report, 2, 1) == report
     assert check_run({"id": "ab12", "attempt": 2}, 0) == ("ab12", 2)
     for bad in ({"id": "", "attempt": 1}, {"id": "a", "attempt": 0}, {"id": "a"}, ["a", 1]):
         with pytest.raises(ProtocolError):
@@ -235,13 +235,13 @@ def test_a_part_and_a_run_as_sent_are_accepted():
 
 def test_a_writer_that_cannot_see_the_output_says_it_must_be_shared(tmp_path):
     with pytest.raises(OutputError, match="filesystem all of them share"):
-        DatasetWriter(tmp_path / "ds", writer=1, part=("run", 1))
+        DatasetWriter(tmp_path / "ds", writer=1, joins=("run", 1))
 
 
 def test_a_shard_reported_but_not_seen_by_the_coordinator_fails_the_run(tmp_path):
     w = DatasetWriter(tmp_path / "ds", writer=0)
     w.write({"a": tdgather.Frames(frame_idx=torch.arange(2), frames=torch.zeros(2, 3), batch_size=[2])})
-    part = DatasetWriter(tmp_path / "ds", writer=1, part=(w.run, w.attempt))
+    part = DatasetWriter(tmp_path / "ds", writer=1, joins=(w.run, w.attempt))
     part.write({"b": tdgather.Frames(frame_idx=torch.arange(2), frames=torch.ones(2, 3), batch_size=[2])})
     shards = part.report()
     assert w.combine({1: shards}).dropped == 0 and sorted(w.files) == ["a", "b"]
@@ -277,7 +277,7 @@ def test_ragged_copies_across_writers_are_dropped_with_their_bytes(tmp_path):
 
     w0 = DatasetWriter(tmp_path / "many", writer=0)
     w0.write({"f": frames([0, 1, 2, 3])})
-    w1 = DatasetWriter(tmp_path / "many", writer=1, part=(w0.run, w0.attempt))
+    w1 = DatasetWriter(tmp_path / "many", writer=1, joins=(w0.run, w0.attempt))
     w1.write({"f": frames([2, 3, 4, 5])})
     assert w0.combine({1: w1.report()}).exact == 2
     w0.commit()

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_writers.py: one dataset from many writers (`tdgather.format.parts`)."""
+"""Rank functions for tests/test_writers.py: one dataset from many writers (`tdgather.format.blocks`)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,10 @@ old dataset, under names of its own), lists it there in ``tdgather.incomplete.js
 
 With ``ranks_per_writer=k`` every block of k ranks has its own writer, its first rank, which
 plays rank ``dst``'s part for its block and, at close, reports its shards to rank ``dst``, which
-writes one index over all of them (`tdgather.format.parts`).
+writes one index over all of them (`tdgather.format.blocks`).
+
+Which role each rank plays is `tdgather.api.roles.role`; what each role does at open, close and
+abort, `tdgather.api.choreography`.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -44,13 +46,14 @@ import torch.distributed as dist
 from ..comm.transport import Call, as_timeout, begin_call, resolve_dst, transport_group
 from ..core.duplicates import DuplicatePolicy
 from ..storage.location import is_url, local_path, store_at
-from ..storage.recovery import Saved
+from ..storage.saved import Saved
 from ..storage.sink import SinkFactory
 from ..storage.writer import DEFAULT_SHARD_BYTES
-from .liveness import Watchdog
+from .choreography import Rank, abort_rank, close_rank, open_rank
+from .liveness import Progress, Watchdog
 from .reporting import visible
+from .roles import role
 from .settings import CollectorStatus, CollectorSummary, Settings
-from .streams import BlockWriter, Coordinator, Destination, Sender, Uplink
 from .terminate import SigtermAsExit
 
 __all__ = ["Collector", "CollectorStatus", "CollectorSummary"]
@@ -181,7 +184,8 @@ class Collector:
             )
         self.fixed = ragged is False
         self._chunk_bytes = chunk_bytes
-        self._side: Sender | Destination | None = None
+        self._rank: Rank | None = None  # this rank's components, while open
+        self._progress = Progress()  # the loop's calls into tdgather (`tdgather.api.liveness`), new at each open
         self._call: Call | None = None
         self._saved: Saved | None = None
         self._sigterm = SigtermAsExit()
@@ -189,17 +193,22 @@ class Collector:
         self.summary: CollectorSummary | None = None  # set by close() on rank dst
 
     def open(self) -> Collector:
-        """Start collecting (what entering the ``with`` block does). Called by every rank."""
+        """Start collecting (what entering the ``with`` block does). Called by every rank.
+
+        1. every rank: its role, from its rank, the group's size, rank dst and ``ranks_per_writer``;
+        2. every rank agrees on the call: its number, dst, kind (with k) and path (`begin_call`);
+        3. its components open: a sender waits for its writer's ready answer, a writer checks the output
+           and answers its peers (`tdgather.api.choreography.open_rank`);
+        4. SIGTERM now keeps what this rank holds, as Ctrl-C does; the watchdog starts.
+        """
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1
         pg = transport_group(self.group) if distributed else None
         rank, world = (dist.get_rank(pg), dist.get_world_size(pg)) if distributed else (0, 1)
         self.dst = resolve_dst(self.group, *self._dst_args) if distributed else 0
-        k = self._block(world)
-        block = [p for p in range(rank - rank % k, min(rank - rank % k + k, world)) if p != rank]
+        me = role(rank, world, self.dst, self.ranks_per_writer)  # 1.
         chunk = self._chunk_bytes or min(64 << 20, max(256 << 10, self.memory_budget // (8 * (world + 1))))
         settings = Settings(
             path=self.path,
-            dst=self.dst,
             timeout=self.timeout,
             overwrite=self.overwrite,
             duplicates=self.duplicates,
@@ -210,62 +219,28 @@ class Collector:
             max_shard_bytes=self.max_shard_bytes,
             progress=self.progress,
             metadata=self.metadata,
-            peers=world - 1,
             resume=self.resume,
             sink=self.sink,
             storage_options=self.storage_options,
             fixed=self.fixed,
             commit_every=self.commit_every,
         )
-        if not distributed:
-            self._side = Destination(settings, None, rank, [])
-            self._saved = self._side.saved
-            self._sigterm.install()
-            return self
-        kind = "Collector" if k >= world else f"Collector(ranks_per_writer={k})"  # every rank must agree on k
-        self._call = begin_call(pg, kind, self.dst, self.timeout, str(self.path))
+        self._progress = Progress()
+        if distributed:  # 2.
+            k = me.ranks_per_writer  # every rank must agree on it
+            kind = "Collector" if k is None else f"Collector(ranks_per_writer={k})"
+            self._call = begin_call(pg, kind, self.dst, self.timeout, str(self.path))
         try:
-            if k >= world:  # one writer: rank dst
-                if rank == self.dst:
-                    self._side = Destination(settings, self._call, rank, [p for p in range(world) if p != rank])
-                else:
-                    self._side = Sender(settings, self._call)
-            else:
-                self._side = self._open_writers(settings, rank, world, k, block)
+            self._rank = open_rank(me, settings, self._call, rank, self._progress)  # 3.
         except BaseException:
             self._end_call()
             raise
-        self._saved = self._side.saved
-        self._sigterm.install()  # SIGTERM now keeps what this rank holds, as Ctrl-C does
-        # liveness is the loop's progress, not a live thread (`tdgather.api.liveness`)
-        side = self._side
-        self._watchdog = Watchdog(side.progress, self.timeout.total_seconds(), dist.get_rank(), side.stall).start()
+        self._saved = self._rank.saved
+        self._sigterm.install()  # 4.
+        if distributed:  # liveness is the loop's progress, not a live thread (`tdgather.api.liveness`)
+            stall = self._rank.stall
+            self._watchdog = Watchdog(self._progress, self.timeout.total_seconds(), dist.get_rank(), stall).start()
         return self
-
-    def _block(self, world: int) -> int:
-        """Ranks per writer in a group of ``world`` ranks (all of them: rank dst alone)."""
-        k = min(self.ranks_per_writer or world, world)
-        if k < world and self.dst % k:
-            raise ValueError(
-                f"dst: with ranks_per_writer={k}, rank dst coordinates the writers and must be one of them "
-                f"(a multiple of {k}), got {self.dst}"
-            )
-        return k
-
-    def _open_writers(self, settings: Settings, rank: int, world: int, k: int, block: list[int]) -> Any:
-        """This rank's side with one writer per block of k ranks: the coordinator, a writer, or a sender to one."""
-        if rank == self.dst:
-            writers = {w: w // k for w in range(0, world, k) if w != rank}
-            peers = sorted({*block, *writers})
-            return Coordinator(replace(settings, peers=len(peers)), self._call, rank, peers, rank // k, writers)
-        if rank % k:
-            return Sender(replace(settings, dst=rank - rank % k), self._call)
-        up = Uplink(replace(settings, peers=1), self._call)  # waits for the coordinator's ready
-        try:
-            return BlockWriter(replace(settings, dst=rank, peers=len(block)), self._call, rank, block, rank // k, up)
-        except BaseException as e:
-            up.abort(e)
-            raise
 
     def status(self) -> CollectorStatus:
         """A snapshot of this rank's progress: frames received and shards written (rank dst), or back-pressure.
@@ -276,7 +251,7 @@ class Collector:
 
     @property
     def saved(self) -> Saved:
-        """What earlier attempts of a resumed run saved (`tdgather.storage.recovery.Saved`), the same on every rank.
+        """What earlier attempts of a resumed run saved (`tdgather.Saved`), the same on every rank.
 
         Empty for a fresh run. Skip it when building the loader: ``col.saved.todo(samples, key=...)``.
         """
@@ -290,7 +265,7 @@ class Collector:
         ``ragged=False`` is for the whole run: pass it to the Collector (every rank and rank dst then hold to it).
         """
         self._check_fixed(ragged)
-        self._active("add()").add(filenames, frame_idx, frames, ragged=ragged)
+        self._active("add()").chunks.add(filenames, frame_idx, frames, ragged=ragged)
 
     def _check_fixed(self, ragged: Any) -> None:
         if ragged is False and not self.fixed:
@@ -302,18 +277,18 @@ class Collector:
     def update(self, predictions: Mapping[str, Any], *, ragged: Any = ()) -> None:
         """Add ``{filename: (frame_idx, value)}`` or a list of such pairs per filename (as `FrameStore.update`)."""
         self._check_fixed(ragged)
-        self._active("update()").update(predictions, ragged=ragged)
+        self._active("update()").chunks.update(predictions, ragged=ragged)
 
     def close(self) -> CollectorSummary | None:
         """Flush and finish; on rank ``dst`` write the index and return the summary, elsewhere None."""
-        side, self._side = self._active(), None
+        rank, self._rank = self._active(), None
         try:
-            with side.progress.waiting():
+            with self._progress.waiting():
                 try:
-                    summary = side.close()
+                    summary = close_rank(rank)
                 except BaseException as e:
                     self._sigterm.hold()  # torchrun's SIGTERM (a peer died) must not cut the abort short
-                    side.abort(e)
+                    abort_rank(rank, e)
                     raise
         finally:
             self._end_call()
@@ -326,12 +301,12 @@ class Collector:
 
     def abort(self, exc: BaseException) -> None:
         """Stop because of ``exc``: tell every rank; rank dst keeps what reached it, and writes no index."""
-        side, self._side = self._side, None
+        rank, self._rank = self._rank, None
         self._sigterm.hold()  # torchrun's SIGTERM (a peer died) must not cut the abort short
         try:
-            if side is not None:
-                with side.progress.waiting():
-                    side.abort(exc)
+            if rank is not None:
+                with self._progress.waiting():
+                    abort_rank(rank, exc)
         finally:
             self._end_call()
 
@@ -353,10 +328,10 @@ class Collector:
         else:
             self.abort(exc)
 
-    def _active(self, call: str | None = None) -> Sender | Destination:
-        """The open side; ``call`` (``"add()"``) is the loop's progress (`tdgather.api.liveness`)."""
-        if self._side is None:
+    def _active(self, call: str | None = None) -> Rank:
+        """This rank's open components; ``call`` (``"add()"``) is the loop's progress (`tdgather.api.liveness`)."""
+        if self._rank is None:
             raise RuntimeError("Collector is not open: use it as `with Collector(...) as col:` or call open()")
         if call is not None:
-            self._side.progress.touch(call)
-        return self._side
+            self._progress.touch(call)
+        return self._rank

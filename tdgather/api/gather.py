@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.direct import ResultMemory, Target, fixed_size, result_nbytes
-from ..comm.pack import pack
+from ..comm.pack import Packed, pack
 from ..comm.protocol import (
     Joiner,
     end_stream,
@@ -60,80 +59,18 @@ from ..comm.transport import (
 )
 from ..comm.wire import DataHeader, Kind, error_header
 from ..core.duplicates import DuplicateCounts, DuplicatePolicy
-from ..core.frames import Frames
+from ..core.framestore import FrameStore, as_store
 from ..core.gcpause import collection_paused
 from ..core.merge import merge
-from ..core.plan import Group, Mismatches, Part, Placement, joined_chunks, keep_first_layouts, place, scatter_chunks
+from ..core.part import Part
+from ..core.plan import Group, Mismatches, Placement, joined_chunks, keep_first_layouts, place, scatter_chunks
 from ..core.promote import unify
-from ..core.store import FrameStore, as_store
+from ..core.ragged import Ragged
 from ..errors import FrameConflictError, PeerLostError, ProtocolError, TdgatherError
-from .landing import Landing, mark_landed
+from .gathered import Gathered, GatherStats
+from .landing import Landing, Placed
 
 __all__ = ["GatherStats", "Gathered", "gather"]
-
-
-@dataclass(frozen=True)
-class GatherStats:
-    """What one `gather` moved.
-
-    Attributes:
-        frames: frames in the result.
-        bytes: tensor bytes received (every copy, duplicates included).
-        duplicates_dropped: copies of a frame dropped (``duplicates.exact + duplicates.inexact``).
-        frames_per_rank: frames each rank sent.
-        seconds: the call's duration on rank ``dst``.
-        duplicates: the copies dropped, exact and inexact, with the largest absolute difference.
-        pieces: payload pieces received from the peers.
-        written_in_place: peers on rank ``dst``'s host that copied their frames straight into the
-            result (`tdgather.comm.direct`), sending no pieces.
-        early_pieces: of them, those received before rank ``dst`` knew every row's place (into
-            buffers of their own, scattered once it did): the transfer overlapping the placement.
-    """
-
-    frames: int
-    bytes: int
-    duplicates_dropped: int
-    frames_per_rank: dict[int, int] = field(default_factory=dict)
-    seconds: float = 0.0
-    duplicates: DuplicateCounts = field(default_factory=DuplicateCounts)
-    pieces: int = 0
-    early_pieces: int = 0
-    written_in_place: int = 0
-
-
-class Gathered(Mapping[str, Frames]):
-    """The gathered ``{filename: Frames}``, sorted by filename, with ``stats``.
-
-    The frames are held per layout, columnar (``groups``, as rank dst placed them); a filename's
-    `Frames` (views of those buffers) is built when it is first accessed. `tdgather.save` writes
-    the groups as they are.
-    """
-
-    def __init__(self, groups: list[Group], stats: GatherStats | None = None) -> None:
-        self.groups = groups
-        where = {name: (g, i) for g in groups for i, name in enumerate(g.files)}
-        self._where = dict(sorted(where.items()))
-        self._built: dict[str, Frames] = {}
-        self.stats = stats or GatherStats(0, 0, 0)
-
-    def __getitem__(self, name: str) -> Frames:
-        frames = self._built.get(name)
-        if frames is None:
-            group, i = self._where[name]
-            frames = self._built[name] = group.frames(i)
-        return frames
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._where)
-
-    def __len__(self) -> int:
-        return len(self._where)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._where
-
-    def __repr__(self) -> str:
-        return f"Gathered({len(self)} filenames, {self.stats.frames} frames)"
 
 
 def gather(
@@ -213,10 +150,10 @@ def gather(
         call.end()
 
 
-def _post_ready(channels: dict[int, Channel], memory: ResultMemory) -> dict[int, Any]:
+def _post_ready(channels: dict[int, Channel], memory: ResultMemory) -> dict[int, list | PeerLostError]:
     """Post every sender the ready answer; per peer, the works to wait for (or the error posting met)."""
     header = {"frames": 0, **memory.ready()}
-    readies: dict[int, Any] = {}
+    readies: dict[int, list | PeerLostError] = {}
     for peer, ch in channels.items():
         try:
             readies[peer] = ch.send(Kind.DONE, header)
@@ -225,7 +162,7 @@ def _post_ready(channels: dict[int, Channel], memory: ResultMemory) -> dict[int,
     return readies
 
 
-def _send(predictions: Any, ch: Channel, ragged: Any = ()) -> None:
+def _send(predictions: FrameStore | Mapping[str, Any], ch: Channel, ragged: bool | str | Iterable[str] = ()) -> None:
     failure = None
     try:
         with collection_paused():
@@ -259,7 +196,7 @@ def _send(predictions: Any, ch: Channel, ragged: Any = ()) -> None:
         raise peer_error(ch, answer.header)
 
 
-def _post(ch: Channel, packed: Any, target: Target | None) -> tuple[list, BaseException | None, Message | None]:
+def _post(ch: Channel, packed: Packed, target: Target | None) -> tuple[list, BaseException | None, Message | None]:
     """Post a sender's frames, and ``done``: the works, a failure of its own, and rank dst's answer if it came.
 
     With a ``target`` (rank dst's result memory, on this host), the data message asks to write in
@@ -289,13 +226,13 @@ class _Receive:
 
     def __init__(
         self,
-        predictions: Any,
+        predictions: FrameStore | Mapping[str, Any],
         rank: int,
         channels: dict[int, Channel],
-        policy: Any,
+        policy: DuplicatePolicy,
         start: float,
         grace: float = 0.0,
-        ragged: Any = (),
+        ragged: bool | str | Iterable[str] = (),
     ) -> None:
         self.predictions, self.ragged, self.rank, self.channels = predictions, ragged, rank, channels
         self.fixed = ragged is False or bool(getattr(predictions, "fixed", False))  # no leaf made ragged
@@ -304,12 +241,12 @@ class _Receive:
         self.parts: dict[int, list[Part]] = {r: [] for r in sorted([rank, *channels])}
         self.planned = {p: threading.Event() for p in channels}
         self.decided = threading.Event()  # every frame index is in (or one is late): pieces may come
-        self.placed = threading.Event()
+        # once placed: where each peer's parts went, one per group of its data message (None: nowhere)
+        self.placed: dict[int, Future[list[Placed] | None]] = {p: Future() for p in channels}
         self.placements: list[tuple[Placement, list[Part]]] = []
-        self.buffers: list[list[torch.Tensor]] = []
+        self.buffers: list[list[torch.Tensor | Ragged]] = []
         self.landed: list[torch.Tensor] = []
-        # (rank, id(part)) -> placement, its rows' places, each leaf's row places (`Placement.leaf_dest`)
-        self.dest: dict[tuple[int, int], tuple[int, torch.Tensor, list[torch.Tensor]]] = {}
+        self.where: dict[tuple[int, int], Placed] = {}  # (rank, id(part)) -> where its rows went
         self.discard = False  # placing failed: read the pieces only to keep the streams in step
         self.mismatches: Mismatches = {}  # filenames sent with two layouts: the first rank's is kept
         # a frame index still missing after this long: every peer's pieces are received as they
@@ -317,10 +254,9 @@ class _Receive:
         # of this rank) cannot cost the others' frames
         self.grace = grace
         self.late = False
-        self.pieces = [0, 0]  # received, and of them early (before the placement): `GatherStats`
-        self.counting = threading.Lock()
+        self.pieces: dict[int, tuple[int, int]] = {}  # per peer, received, and of them early: `GatherStats`
         self.memory: ResultMemory | None = None
-        self.readies: dict[int, Any] = {}
+        self.readies: dict[int, list | PeerLostError] = {}
         self.answers: Answers | None = None
         self.direct: set[int] = set()  # peers that asked to write their rows in place
         self.places: dict[int, dict] = {}  # ... and where rank dst placed them (the others send pieces)
@@ -340,7 +276,7 @@ class _Receive:
             raise error
         return result
 
-    def run(self, answers: Answers, memory: ResultMemory, readies: dict[int, Any]) -> Gathered:
+    def run(self, answers: Answers, memory: ResultMemory, readies: dict[int, list | PeerLostError]) -> Gathered:
         self.answers, self.memory, self.readies = answers, memory, readies
         with ThreadPoolExecutor(max_workers=len(self.channels), thread_name_prefix="tdgather-recv") as pool:
             futures = {peer: pool.submit(self._read_peer, peer) for peer in self.channels}
@@ -355,13 +291,16 @@ class _Receive:
                 event.wait(max(0.0, deadline - time.monotonic()))
             self.late = not all(event.is_set() for event in self.planned.values()) or self._promotes()
             self.decided.set()
+            where: dict[int, list[Placed]] = {}
             try:
                 if not self.late:
                     self._place()
+                    where = {p: [self.where[(p, id(q))] for q in self.parts[p]] for p in self.channels}
             except Exception as e:
                 self.errors.setdefault(-1, e)
                 self.discard = True
-            self.placed.set()
+            for peer, placed in self.placed.items():
+                placed.set_result(None if self.discard else where.get(peer))
             if not (self.discard or self.late):
                 self._land_local()
             for peer, fut in futures.items():
@@ -424,13 +363,16 @@ class _Receive:
                 self.parts[peer] = []  # what it sent is not whole
                 raise
         else:
-            landing = Landing(self, peer, msg.header)
+            landing = Landing(msg.header, self.placed[peer])
             try:
                 read_pieces(ch, msg.header, landing.land)
             except BaseException:
                 landing.finish(last_whole=False)  # what arrived whole still lands
                 raise
-            landing.finish()
+            else:
+                landing.finish()
+            finally:
+                self.pieces[peer] = (landing.pieces, landing.early_pieces)
         expect_done(ch, ch.recv(), msg.header.num_frames)
 
     def _written_in_place(self, peer: int, ch: Channel, header: DataHeader) -> bool:
@@ -438,16 +380,15 @@ class _Receive:
 
         Or tell it to send pieces (False: they are read as any peer's).
         """
-        self.placed.wait()
+        placed = self.placed[peer].result()
         place = self.places.get(peer)
         assert self.answers is not None
         ch.wait(self.answers.post(peer, Kind.DONE, {"frames": 0, "place": place}), "the place answer")
         if place is None:
             return False
         expect_done(ch, ch.recv(), header.num_frames)  # its rows are all in place
-        for part in self.parts[peer]:
-            k, dest, _ = self.dest[(peer, id(part))]
-            mark_landed(self.landed[k], dest)
+        for p in placed or ():
+            p.mark_landed(p.dest)
         self.wrote.add(peer)
         return True
 
@@ -473,22 +414,25 @@ class _Receive:
         shapes = [s for placement, _ in self.placements for s in placement.shapes()]
         rows = [q.num_frames for p in writers for q in self.parts[p]]
         in_memory = bool(writers) and self.memory is not None and self.memory.arena(result_nbytes(shapes, rows))
-        for k, (placement, members) in enumerate(self.placements):
-            self.buffers.append(placement.allocate(empty=self.memory.take if in_memory else None))
-            self.landed.append(torch.zeros(placement.num_frames + placement.kept.numel(), dtype=torch.bool))
+        for placement, members in self.placements:
+            buffers = placement.allocate(empty=self.memory.take if in_memory else None)
+            landed = torch.zeros(placement.num_frames + placement.kept.numel(), dtype=torch.bool)
+            self.buffers.append(buffers)
+            self.landed.append(landed)
             for part, dest, leaf_dest in zip(members, placement.dest, placement.leaf_dest, strict=True):
-                self.dest[(part.rank, id(part))] = (k, dest, leaf_dest)
+                self.where[(part.rank, id(part))] = Placed(part, buffers, landed, dest, leaf_dest)
         if in_memory:
             for p in writers:
-                dests = [self.dest[(p, id(q))][:2] for q in self.parts[p]]
-                self.places[p] = self.memory.place(self.buffers, dests)
+                placed = [self.where[(p, id(q))] for q in self.parts[p]]
+                buffers = [q.buffers for q in placed]  # each part's own entry: numbered as the parts are
+                self.places[p] = self.memory.place(buffers, [(i, q.dest) for i, q in enumerate(placed)])
 
     def _land_local(self) -> None:
         for part in self.parts[self.rank]:
-            k, dest, leaf_dest = self.dest.get((self.rank, id(part)), (None, None, None))
-            if k is not None:
-                scatter_chunks(self.buffers[k], leaf_dest, part.chunks)
-                self.landed[k][dest] = True
+            placed = self.where.get((self.rank, id(part)))
+            if placed is not None:
+                scatter_chunks(placed.buffers, placed.leaf_dest, part.chunks)
+                placed.mark_landed(placed.dest)
 
     def _result(self) -> Gathered:
         if self.late:
@@ -514,8 +458,8 @@ class _Receive:
             frames_per_rank=per_rank,
             seconds=time.perf_counter() - self.start,
             duplicates=found,
-            pieces=self.pieces[0],
-            early_pieces=self.pieces[1],
+            pieces=sum(n for n, _ in self.pieces.values()),
+            early_pieces=sum(n for _, n in self.pieces.values()),
             written_in_place=len(self.wrote),
         )
         return Gathered(groups, stats)

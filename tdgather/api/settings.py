@@ -1,11 +1,12 @@
 """What a `tdgather.Collector` is fixed to when it opens, what it reports, and how rank dst counts its budget.
 
-`Settings` is all that the senders and rank dst read (`tdgather.api.streams`); `CollectorStatus`
-and `CollectorSummary` are what a Collector reports; `Spill` is what rank dst holds until it
-merges it, and when: at its share of the budget (frames and their bookkeeping, `bookkeeping_bytes`),
-or once it holds `SPILL_FRAME_BYTES` of frames; `Pending` is the shard each spill is merged into,
-compact, until it is written: at three quarters of that share, or `SPILL_FRAME_BYTES`, or a shard
-of ``max_shard_bytes`` at a time. So shards grow with bytes, not with chunks, however small the budget.
+`Settings` is what every rank's components read (`tdgather.api.choreography`), the same on every rank;
+`CollectorStatus` and `CollectorSummary` are what a Collector reports; `Spill` is what rank dst
+holds until it merges it, and when: at its share of the budget (frames and their bookkeeping,
+`bookkeeping_bytes`), or once it holds `SPILL_FRAME_BYTES` of frames; `Pending` is the shard each
+spill is merged into, compact, until it is written: at three quarters of that share, or
+`SPILL_FRAME_BYTES`, or a shard of ``max_shard_bytes`` at a time. So shards grow with bytes, not
+with chunks, however small the budget.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ SPILL_FRAME_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class Settings:
-    """A Collector's settings, fixed when it opens: all that `Sender` and `Destination` read.
+    """A Collector's settings, fixed when it opens, the same on every rank; where a rank sends is its `Role`.
 
-    The budget on rank dst, in chunks c: one payload per receiver (``peers``) + the inbox
+    The budget on a writer, in chunks c: one payload per receive thread (``peers``) + the inbox
     (``max_pending``) + the spill and the shard it is merged into (``spill_bytes`` + c) + a merge's
     copy of small rows (spill + c). With the default c = budget / (8 (W + 1)) that is at most
     budget / 4 + 0.7 budget. Under a budget below 12 MiB, writing a shard's filenames may come on
@@ -72,7 +73,6 @@ class Settings:
     """
 
     path: Path | str  # a local path, or an object store URL
-    dst: int
     timeout: timedelta
     overwrite: bool
     duplicates: DuplicatePolicy
@@ -83,7 +83,6 @@ class Settings:
     max_shard_bytes: int
     progress: bool | None
     metadata: Mapping[str, Any]
-    peers: int  # ranks that send to dst
     resume: bool = False
     sink: SinkFactory | None = None  # makes rank dst's (and each writer's) sink; default DatasetWriter
     storage_options: dict | None = None  # fsspec's, for an object store URL
@@ -110,10 +109,9 @@ class Settings:
         """What writing a shard's filenames may cost: the spill's share, or `WRITE_FILES_BYTES` where that is more."""
         return max(self.spill_bytes, WRITE_FILES_BYTES)
 
-    @property
-    def pool_bytes(self) -> int:
-        """Received buffers kept for reuse: at most the spill and every chunk in flight."""
-        return self.spill_bytes + (self.max_pending + self.peers) * self.chunk_bytes
+    def pool_bytes(self, peers: int) -> int:
+        """What a writer with ``peers`` peers keeps of received buffers: at most the spill and every chunk in flight."""
+        return self.spill_bytes + (self.max_pending + peers) * self.chunk_bytes
 
 
 @dataclass(frozen=True)

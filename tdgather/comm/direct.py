@@ -14,7 +14,7 @@ three times, the last ones by rank dst alone.
 3. With every frame index in hand, rank dst sizes the memfd to its whole result, seals its size
    (``F_SEAL_SHRINK | F_SEAL_GROW``: no process can cut it under a mapping), places every
    buffer in it (`ResultMemory.arena`), writes each direct sender's row places into it and answers
-   each one where its rows go (`ResultMemory.place`); or answers ``{"via": "gloo"}``, and the sender
+   each one where its rows go (`ResultMemory.place`); or answers ``{"place": null}``, and the sender
    sends its pieces as any other.
 4. The sender checks that answer as hostile input (every offset, size and row place within the
    memfd and its own rows) and scatters its rows into place (`Target.write`), then sends ``done``.
@@ -22,7 +22,7 @@ three times, the last ones by rank dst alone.
    loses only its own frames, which the result leaves out, as it does a gloo sender's.
 
 ``TDGATHER_SHM=0`` turns this off with the rest of the same-host path (`tdgather.comm.shm`).
-Processes of the job's own user are trusted with the memfd, as with segments: they can already
+Processes of the job's own user are trusted with the memfd, as with shm files: they can already
 attach to the job's processes.
 """
 
@@ -41,8 +41,10 @@ from typing import Any
 import torch
 
 from ..core.checks import ProtocolCheck
-from ..core.plan import Part, scatter_chunks
+from ..core.part import Part
+from ..core.plan import scatter_chunks
 from .shm import host_token
+from .wire import ALIGN  # every buffer starts at a multiple of this
 
 __all__ = ["DIRECT_MIN", "DIRECT_ROW", "ResultMemory", "Target", "fixed_size", "result_nbytes", "wants_direct"]
 
@@ -53,7 +55,6 @@ DIRECT_MIN = 1 << 20  # a sender with fewer tensor bytes sends them over gloo: a
 # pieces over gloo come during the placement (`benchmarks.suite`, tiny: 64-byte frames, 4 ranks on 2
 # cores: 0.077-0.080 s in place against 0.057-0.064 s over gloo)
 DIRECT_ROW = 1024
-ALIGN = 64  # every buffer starts at a multiple of this
 MEMFD_NAME = re.compile(r"tdgather-result-[0-9a-f]{16}")
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0x2) | getattr(fcntl, "F_SEAL_GROW", 0x4)
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.dtypes import dtype_name
-from ..core.plan import Part
-from ..core.store import FrameStore
+from ..core.framestore import FrameStore
+from ..core.part import Part
 from .wire import ALIGN, index_offsets
 
 __all__ = ["PIECE_MAX", "PIECE_MIN", "PIECE_TARGET", "Packed", "pack"]

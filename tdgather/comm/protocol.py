@@ -7,7 +7,7 @@ heartbeats until then (`tdgather.comm.transport.Answers`).
 
 - `send_frames` posts a packed store (`tdgather.comm.pack`): the data message, then each piece, a
   batch as the sender holds it or small batches joined; to a peer on the same host, the pieces
-  written into one shared memory segment instead, named in the data message (`tdgather.comm.shm`);
+  written into one shared memory file instead, named in the data message (`tdgather.comm.shm`);
 - `read_pieces` receives the pieces of a data message where rank dst wants them (``land``),
   running the previous piece's scatter while the next is on the wire;
 - `read_frames` receives them into new buffers, in the sender's row order (the Collector);
@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from ..core.frames import Layout, Leaf
-from ..core.plan import Part
+from ..core.part import Part
 from ..errors import ProtocolError
 from .pack import PIECE_MIN, PIECE_TARGET, Packed
-from .shm import SegmentWriter, open_segment
+from .shm import ShmWriter, open_shm
 from .transport import Channel, Message, peer_error
-from .wire import DataHeader, Kind, error_header, segment_offsets
+from .wire import DataHeader, Kind, error_header, shm_offsets
 
 __all__ = ["Joiner", "end_stream", "expect_done", "read_frames", "read_pieces", "send_frames", "send_pieces"]
 
@@ -76,15 +76,15 @@ class Joiner:
             self._works[k] = []
 
 
-def send_frames(ch: Channel, packed: Packed, joiner: Joiner, segments: SegmentWriter | None = None) -> list:
+def send_frames(ch: Channel, packed: Packed, joiner: Joiner, shm: ShmWriter | None = None) -> list:
     """Post a packed store: its data message, then every piece; return the works to wait for.
 
     Sends of joined pieces in reused buffers are the joiner's to wait for (`Joiner.wait`). With
-    ``segments`` (the peer shares this host), the pieces go into a segment instead, when one can be made.
+    ``shm`` (the peer shares this host), the pieces go into an shm file instead, when one can be made.
     """
-    if segments is not None and packed.pieces:
+    if shm is not None and packed.pieces:
         offsets, size = _piece_offsets(packed.header)
-        written = segments.write([[as_bytes(t.contiguous()) for t in p] for p in packed.pieces], offsets, size)
+        written = shm.write([[as_bytes(t.contiguous()) for t in p] for p in packed.pieces], offsets, size)
         if written is not None:
             name, keep = written
             shm = {"name": name, "size": size, **({"keep": True} if keep else {})}
@@ -111,9 +111,9 @@ def end_stream(ch: Channel, frames: int | None = None, error: BaseException | No
 
 
 def _piece_offsets(header: dict) -> tuple[list[int], int]:
-    """Where each piece of a packed header goes in a segment (in piece order), and the segment's size."""
+    """Where each piece of a packed header goes in an shm file (in piece order), and the shm file's size."""
     groups = [(Layout.from_json(g["layout"]), tuple(g["elems"])) for g in header["groups"]]
-    starts, size = segment_offsets(groups)
+    starts, size = shm_offsets(groups)
     out, k = [], 0
     for (layout, _), g in zip(groups, header["groups"], strict=True):
         for leaf, counts in zip(layout.leaves, g["pieces"], strict=True):
@@ -125,11 +125,11 @@ def _piece_offsets(header: dict) -> tuple[list[int], int]:
     return out, size
 
 
-def segment_columns(ch: Channel, header: DataHeader) -> list[list[torch.Tensor]]:
-    """Per group, per tensor leaf: its rows in the data message's segment (views of its mapping)."""
+def shm_columns(ch: Channel, header: DataHeader) -> list[list[torch.Tensor]]:
+    """Per group, per tensor leaf: its rows in the data message's shm file (views of its mapping)."""
     name, size, keep = header.shm
-    data = open_segment(name, size, ch.peer, keep)
-    starts, _ = segment_offsets([(g.layout, g.elems) for g in header.groups])
+    data = open_shm(name, size, ch.peer, keep)
+    starts, _ = shm_offsets([(g.layout, g.elems) for g in header.groups])
     out, k = [], 0
     for g in header.groups:
         columns = []
@@ -145,14 +145,14 @@ def segment_columns(ch: Channel, header: DataHeader) -> list[list[torch.Tensor]]
 
 
 def read_pieces(ch: Channel, header: DataHeader, land: Land) -> None:
-    """Receive the pieces that follow ``header`` (or copy them from its segment).
+    """Receive the pieces that follow ``header`` (or copy them from its shm file).
 
     ``land(group, leaf, first_row, rows)`` gives the uint8 tensor a piece is received into and
     what to run once it is there (or None); that runs while the next piece is on the wire, so it
     must not touch the next piece's tensor.
     """
     if header.shm is not None:
-        columns = segment_columns(ch, header)
+        columns = shm_columns(ch, header)
         for g, j, first, rows in header.pieces():
             into, then = land(g, j, first, rows)
             into.copy_(as_bytes(columns[g][j][first : first + rows]))
@@ -181,8 +181,8 @@ def read_frames(ch: Channel, msg: Message, take: Callable[[int], torch.Tensor] |
         nbytes = rows * leaf.row_nbytes
         return take(nbytes)[:nbytes].view(leaf.dtype).view(rows, *leaf.shape)
 
-    if header.shm is not None:  # the rows are in place already: views of the segment, no copy
-        columns = segment_columns(ch, header)
+    if header.shm is not None:  # the rows are in place already: views of the shm file, no copy
+        columns = shm_columns(ch, header)
     else:  # a ragged leaf's column holds its values: elems rows
         columns = [[column(n, leaf) for n, leaf in zip(g.elems, g.layout.leaves, strict=True)] for g in header.groups]
 

@@ -1,32 +1,32 @@
-"""Same-host peers: a chunk's bytes handed over in a shared memory segment, only its header over gloo.
+"""Same-host peers: a chunk's bytes handed over in a shared memory file, only its header over gloo.
 
 On one host, gloo's TCP loopback is far below what memory moves. A sender that shares rank dst's
 host (rank dst names its host in the ready answer: `host_token`) writes a packed chunk's pieces
-into a new file in ``/dev/shm`` (`SegmentWriter`) and sends the data message with
+into a new file in ``/dev/shm`` (`ShmWriter`) and sends the data message with
 ``"shm": {"name", "size"}`` instead of piece messages. Each tensor leaf's bytes start at a multiple
-of `ALIGN`, in the order the pieces would have come (`tdgather.comm.wire.segment_offsets`).
+of `ALIGN`, in the order the pieces would have come (`tdgather.comm.wire.shm_offsets`).
 
-Rank dst treats the segment as hostile input (`open_segment`): the name must be one tdgather makes
-(no path), the file a regular file of its own user in the segment directory, not a link, of exactly
+Rank dst treats the shm file as hostile input (`open_shm`): the name must be one tdgather makes
+(no path), the file a regular file of its own user in the shm directory, not a link, of exactly
 the announced size; it is mapped and unlinked at once, so the memory is freed when the last view of
-it goes, and no segment outlives rank dst's use of it. Its bytes are only frame values: every row
+it goes, and no shm file outlives rank dst's use of it. Its bytes are only frame values: every row
 count and length comes from the data message, checked as before. The file's contents and length
 after that are protected by its mode (0600): processes of the job's own user are trusted, as they
 can already attach to the job's processes. Every rank must use the same directory: its path is part
 of the host token, so a rank with another one uses gloo.
 
-A ring: a sender keeps its first `RING` segments (``"keep": true`` in the data message) and writes
+A ring: a sender keeps its first `RING` shm files (``"keep": true`` in the data message) and writes
 its later chunks into them again, so that most chunks are copied into memory already touched
 rather than into new pages (on these machines a new page costs more than the copy). Rank dst maps
-a kept segment without unlinking it, and once the last view of that mapping is gone (the spill
+a kept shm file without unlinking it, and once the last view of that mapping is gone (the spill
 that held its rows is written) hands it back by renaming it ``<name>.free``; a sender takes a
-segment back by renaming it to its name again (`SegmentWriter.write`). A sender never waits for
-one: with none handed back, the chunk goes into a new segment, unlinked by rank dst as it maps it.
+shm file back by renaming it to its name again (`ShmWriter.write`). A sender never waits for
+one: with none handed back, the chunk goes into a new shm file, unlinked by rank dst as it maps it.
 
-Lifetime: a segment is written whole before its header is sent, so a sender killed mid-write
+Lifetime: an shm file is written whole before its header is sent, so a sender killed mid-write
 loses only that chunk. A sender removes at close whatever of its own rank dst did not take, and
 its ring. A sender lost mid-run (killed, hung) cannot: rank dst removes, when the run ends, every
-segment of the writers that peer named in its data messages (`PeerSegments`: its ring, and a
+shm file of the writers that peer named in its data messages (`PeerShm`: its ring, and a
 chunk it was killed writing). What a sender leaves before its first data message reached rank dst
 is removed by the next tdgather on that host whose process (in the writer's PID namespace) finds
 the writer's pid dead (`sweep`). Where the directory is missing, not writable or would keep less
@@ -59,11 +59,11 @@ from ..core.checks import ProtocolCheck
 __all__ = [
     "FREE",
     "RING",
-    "SEGMENT_NAME",
-    "PeerSegments",
-    "SegmentWriter",
+    "SHM_NAME",
+    "PeerShm",
+    "ShmWriter",
     "host_token",
-    "open_segment",
+    "open_shm",
     "pid_namespace",
     "ring_size",
     "shm_dir",
@@ -73,16 +73,16 @@ __all__ = [
 log = logging.getLogger("tdgather")
 
 # pid, pid namespace, token, number: a pid is only known alive or dead in its own namespace
-SEGMENT_NAME = re.compile(r"tdgather-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{8})-([0-9]{1,12})")
-FREE = ".free"  # a kept segment rank dst has handed back: ``<name>.free``
-RING = 3  # segments a sender keeps and writes again (``TDGATHER_SHM_RING``)
+SHM_NAME = re.compile(r"tdgather-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{8})-([0-9]{1,12})")
+FREE = ".free"  # a kept shm file rank dst has handed back: ``<name>.free``
+RING = 3  # shm files a sender keeps and writes again (``TDGATHER_SHM_RING``)
 
 
 _said: set[str] = set()  # the fall-backs logged by this process (one line each)
 
 
 def shm_dir() -> Path | None:
-    """Where segments go (``TDGATHER_SHM_DIR``, default ``/dev/shm``); None when off or not a writable directory.
+    """Where shm files go (``TDGATHER_SHM_DIR``, default ``/dev/shm``); None when off or not a writable directory.
 
     A directory that cannot be used (not ``TDGATHER_SHM=0``) is logged once per process.
     """
@@ -102,7 +102,7 @@ def shm_dir() -> Path | None:
 
 
 def host_token() -> str | None:
-    """This host, as rank dst names it: hostname and boot id hashed; None when segments are off here."""
+    """This host, as rank dst names it: hostname and boot id hashed; None when shm files are off here."""
     if shm_dir() is None:
         return None
     boot = ""
@@ -113,7 +113,7 @@ def host_token() -> str | None:
 
 @dataclass
 class _Kept:
-    """A segment of the ring: its file (open), this sender's mapping of it, and its size."""
+    """An shm file of the ring: its file (open), this sender's mapping of it, and its size."""
 
     path: Path
     fd: int
@@ -122,18 +122,18 @@ class _Kept:
 
 
 def ring_size() -> int:
-    """``TDGATHER_SHM_RING``, or `RING`: one that is not a count of segments is logged once, and `RING` used."""
+    """``TDGATHER_SHM_RING``, or `RING`: one that is not a count of shm files is logged once, and `RING` used."""
     raw = os.environ.get("TDGATHER_SHM_RING", str(RING))
     if raw.isdigit():
         return int(raw)
     if f"ring {raw}" not in _said:
         _said.add(f"ring {raw}")
-        log.warning("tdgather: TDGATHER_SHM_RING=%r is not a number of segments (an integer >= 0); using %d", raw, RING)
+        log.warning("tdgather: TDGATHER_SHM_RING=%r is not a count of shm files (an integer >= 0); using %d", raw, RING)
     return RING
 
 
-class SegmentWriter:
-    """One sender's segments: each packed chunk written into one (or None: send it over gloo)."""
+class ShmWriter:
+    """One sender's shm files: each packed chunk written into one (or None: send it over gloo)."""
 
     def __init__(self, ring: int | None = None) -> None:
         self.dir = shm_dir()
@@ -147,7 +147,7 @@ class SegmentWriter:
     def write(self, pieces: list[list[torch.Tensor]], offsets: list[int], size: int) -> tuple[str, bool] | None:
         """Write the pieces (uint8 tensors each, in order) at ``offsets``.
 
-        Returns the segment's name and whether it is kept (rank dst hands it back), or None.
+        Returns the shm file's name and whether it is kept (rank dst hands it back), or None.
         """
         if self.dir is None:
             return None
@@ -178,7 +178,7 @@ class SegmentWriter:
         return path.name, False
 
     def _create(self, size: int) -> tuple[Path, int] | None:
-        """A new segment of ``size`` bytes, its pages allocated (a full directory: None, and a log line)."""
+        """A new shm file of ``size`` bytes, its pages allocated (a full directory: None, and a log line)."""
         assert self.dir is not None
         path = self.dir / f"tdgather-{os.getpid()}-{pid_namespace()}-{self.token}-{self.number}"
         self.number += 1
@@ -209,7 +209,7 @@ class SegmentWriter:
             )
 
     def _handed_back(self, size: int) -> _Kept | None:
-        """A kept segment rank dst has let go of, taken back (grown to ``size`` if need be); or None."""
+        """A kept shm file rank dst has let go of, taken back (grown to ``size`` if need be); or None."""
         for kept in self.kept:
             try:
                 os.rename(kept.path.with_name(kept.path.name + FREE), kept.path)
@@ -234,12 +234,12 @@ class SegmentWriter:
             self.warned = True
 
     def remove(self, path: Path) -> None:
-        """Remove one of its segments, if it is there."""
+        """Remove one of its shm files, if it is there."""
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 
     def cleanup(self) -> None:
-        """Remove every segment this writer made that rank dst did not take (it unlinks those it maps), and the ring."""
+        """Remove every shm file it made that rank dst did not take (it unlinks those it maps), and the ring."""
         for path in self.made:
             self.remove(path)
         self.made.clear()
@@ -261,30 +261,30 @@ def _fill(mm: mmap.mmap, pieces: list[list[torch.Tensor]], offsets: list[int]) -
 
 
 def _hand_back(path: Path) -> None:
-    """Rank dst let go of a kept segment: its sender may write it again."""
+    """Rank dst let go of a kept shm file: its sender may write it again."""
     with contextlib.suppress(OSError):
         os.rename(path, path.with_name(path.name + FREE))
 
 
-def open_segment(name: Any, size: int, src: int, keep: bool = False) -> torch.Tensor:
-    """Map segment ``name`` of peer ``src`` (uint8 ``[size]``), checked as hostile input, and unlink it.
+def open_shm(name: Any, size: int, src: int, keep: bool = False) -> torch.Tensor:
+    """Map shm file ``name`` of peer ``src`` (uint8 ``[size]``), checked as hostile input, and unlink it.
 
-    A ``keep`` segment (of the sender's ring) is left in place, at least ``size`` bytes, and handed
+    A ``keep`` shm file (of the sender's ring) is left in place, at least ``size`` bytes, and handed
     back once the last view of the mapping is gone.
     """
-    if not isinstance(name, str) or not SEGMENT_NAME.fullmatch(name):
+    if not isinstance(name, str) or not SHM_NAME.fullmatch(name):
         raise ProtocolCheck(src).fail(
-            "header.shm.name", "a segment name tdgather makes ('tdgather-<pid>-<namespace>-<token>-<n>')", name
+            "header.shm.name", "an shm file name tdgather makes ('tdgather-<pid>-<namespace>-<token>-<n>')", name
         )
     where = shm_dir()
     if where is None:
-        raise ProtocolCheck(src).fail("header.shm", "no segment: shared memory is off on rank dst", name)
+        raise ProtocolCheck(src).fail("header.shm", "no shm file: shared memory is off on rank dst", name)
     path = where / name
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         gone = " (removed before rank dst mapped it: by another process sweeping the directory?)"
-        expected = f"a segment in {where}" + (gone if isinstance(e, FileNotFoundError) else "")
+        expected = f"an shm file in {where}" + (gone if isinstance(e, FileNotFoundError) else "")
         raise ProtocolCheck(src).fail("header.shm.name", expected, f"{name} ({e.strerror})") from None
     try:
         st = os.fstat(fd)
@@ -313,11 +313,11 @@ def open_segment(name: Any, size: int, src: int, keep: bool = False) -> torch.Te
         return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-class PeerSegments:
-    """The segment writers each peer named in its data messages: rank dst removes a lost peer's segments.
+class PeerShm:
+    """The shm file writers each peer named in its data messages: rank dst removes a lost peer's shm files.
 
-    A writer is the ``tdgather-<pid>-<namespace>-<token>`` its segment names start with; its token is
-    drawn per `SegmentWriter` (one per sender and run), so it names that sender's segments of this
+    A writer is the ``tdgather-<pid>-<namespace>-<token>`` its shm file names start with; its token is
+    drawn per `ShmWriter` (one per sender and run), so it names that sender's shm files of this
     run only: its ring (held or handed back), and a chunk it was killed writing, named or not.
     """
 
@@ -325,13 +325,13 @@ class PeerSegments:
         self.writers: dict[int, set[str]] = {}
 
     def note(self, peer: int, shm: tuple[str, int, bool] | None) -> None:
-        """A data message of ``peer`` with segment ``shm`` (its header's ``(name, size, keep)``, or None)."""
-        m = SEGMENT_NAME.fullmatch(shm[0]) if shm is not None else None
+        """A data message of ``peer`` with shm file ``shm`` (its header's ``(name, size, keep)``, or None)."""
+        m = SHM_NAME.fullmatch(shm[0]) if shm is not None else None
         if m is not None:
             self.writers.setdefault(peer, set()).add(_writer(m))
 
     def remove(self, peers: Iterable[int]) -> int:
-        """Remove every segment of the writers ``peers`` named (this user's files only); return how many.
+        """Remove every shm file of the writers ``peers`` named (this user's files only); return how many.
 
         For peers lost (killed, hung): no sender will remove them, and rank dst reads none of them again.
         """
@@ -342,7 +342,7 @@ class PeerSegments:
         names = set()
         with contextlib.suppress(OSError):
             for entry in os.scandir(where):
-                m = SEGMENT_NAME.fullmatch(entry.name.removesuffix(FREE))
+                m = SHM_NAME.fullmatch(entry.name.removesuffix(FREE))
                 if m is not None and _writer(m) in writers:
                     names.add(m.group(0))
         gone = 0
@@ -354,12 +354,12 @@ class PeerSegments:
                         path.unlink()
                         gone += 1
         if gone:
-            log.info("tdgather: removed %d shared memory segment(s) of lost peers in %s", gone, where)
+            log.info("tdgather: removed %d shared memory file(s) of lost peers in %s", gone, where)
         return gone
 
 
 def _writer(m: re.Match) -> str:
-    """The writer of a segment name (``SEGMENT_NAME`` match): the name without its number."""
+    """The writer of an shm file name (``SHM_NAME`` match): the name without its number."""
     return m.group(0).rsplit("-", 1)[0]
 
 
@@ -372,9 +372,9 @@ def pid_namespace() -> int:
 
 
 def sweep() -> int:
-    """Remove segments (of this user) whose writer's process is gone; return how many.
+    """Remove shm files (of this user) whose writer's process is gone; return how many.
 
-    Only segments written in this process's PID namespace: another namespace's pids (a container
+    Only shm files written in this process's PID namespace: another namespace's pids (a container
     sharing ``/dev/shm``) cannot be checked from here, and are that namespace's to sweep.
     """
     where = shm_dir()
@@ -383,7 +383,7 @@ def sweep() -> int:
     gone = 0
     with contextlib.suppress(OSError):
         for entry in os.scandir(where):
-            m = SEGMENT_NAME.fullmatch(entry.name.removesuffix(FREE))
+            m = SHM_NAME.fullmatch(entry.name.removesuffix(FREE))
             if m is None or int(m.group(1)) == os.getpid() or int(m.group(2)) != pid_namespace():
                 continue
             with contextlib.suppress(OSError):

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..core.checks import ProtocolCheck, decode_layout
+from ..core.checks import ProtocolCheck, decode_layout, strict_json
 from ..core.frames import Layout
 from ..errors import CallMismatchError, ProtocolError
 
@@ -58,15 +58,15 @@ __all__ = [
     "encode_json",
     "error_header",
     "index_offsets",
-    "segment_offsets",
+    "shm_offsets",
 ]
 
 MAGIC = int.from_bytes(b"tdgather", "big")
 HEARTBEAT = {"files": [], "groups": []}  # the header of an empty data message
-VERSION = 7  # 4: ragged leaves (elems, lengths); 5: the ready answer may carry what a resumed run saved;
-# 6: a data message may name a shared memory segment that holds its pieces (same host), the ready answer the host;
+VERSION = 8  # 4: ragged leaves (elems, lengths); 5: the ready answer may carry what a resumed run saved;
+# 6: a data message may name a shared memory file that holds its pieces (same host), the ready answer the host;
 # 7: gather opens with rank dst's ready answer; a same-host sender may write its rows into rank dst's result;
-# a segment may be kept (rank dst hands it back)
+# an shm file may be kept (rank dst hands it back); 8: a block writer's ``done`` carries its ``report`` (was ``part``)
 PRELUDE_LEN = 10
 ALIGN = 64  # every index tensor starts at a multiple of this, so its views are aligned
 
@@ -184,8 +184,8 @@ class GroupSpec:
 class DataHeader:
     """The validated header of a data message (no groups: a heartbeat).
 
-    ``shm``: ``(name, size, keep)`` of the shared memory segment that holds its pieces (`tdgather.comm.shm`),
-    each tensor leaf at `segment_offsets`; None when the pieces follow as messages.
+    ``shm``: ``(name, size, keep)`` of the shared memory file that holds its pieces (`tdgather.comm.shm`),
+    each tensor leaf at `shm_offsets`; None when the pieces follow as messages.
     """
 
     files: tuple[str, ...]
@@ -215,7 +215,7 @@ class DataHeader:
         return out
 
 
-def segment_offsets(groups: list[tuple[Layout, tuple[int, ...]]]) -> tuple[list[int], int]:
+def shm_offsets(groups: list[tuple[Layout, tuple[int, ...]]]) -> tuple[list[int], int]:
     """Where each tensor leaf's bytes start in a segment (groups in order, leaves in order), and its size.
 
     ``groups`` holds per group its layout and each leaf's rows (``elems``); each leaf starts at a
@@ -256,20 +256,9 @@ def encode_json(obj: Any) -> bytes:
 
 def decode_json(raw: bytes, src: int, limits: Limits) -> Any:
     """Parse header bytes strictly: UTF-8, no NaN/Infinity, no duplicate keys, bounded depth."""
-
-    def no_constants(name: str) -> Any:
-        raise ValueError(f"{name} is not JSON")
-
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-        obj = dict(pairs)
-        if len(obj) != len(pairs):
-            seen = [k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i])]
-            raise ValueError(f"duplicate key {seen[0]!r}")
-        return obj
-
     try:
         # the parser's own recursion is bounded (RecursionError); the depth is checked on what it built
-        obj = json.loads(raw.decode("utf-8"), parse_constant=no_constants, object_pairs_hook=no_duplicates)
+        obj = strict_json(raw)
         if _depth(obj, limits.max_depth) > limits.max_depth:
             raise ValueError(f"nesting deeper than {limits.max_depth}")
         return obj
@@ -309,9 +298,9 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
     limits = limits or Limits()
     c = ProtocolCheck(src)
     # a ready answer may add "saved", "run", "host" and "memfd", a place answer "place", a writer's done
-    # "part": their readers check them
+    # "report": their readers check them
     if kind == Kind.DONE:
-        more = {"saved", "run", "part", "host", "memfd", "place"}
+        more = {"saved", "run", "report", "host", "memfd", "place"}
         keys = {"frames"} | (more & set(obj) if isinstance(obj, dict) else set())
         c.int(c.obj(obj, "header", keys)["frames"], "header.frames")
         return obj
@@ -364,8 +353,8 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
         more = {"keep"} & set(obj["shm"]) if isinstance(obj["shm"], dict) else set()
         seg = c.obj(obj["shm"], "header.shm", {"name", "size"} | more)
         if seg.get("keep", True) is not True:
-            raise c.fail("header.shm.keep", "true (the sender keeps the segment: rank dst hands it back)", seg["keep"])
-        size = segment_offsets([(g.layout, g.elems) for g in groups])[1]
+            raise c.fail("header.shm.keep", "true (the sender keeps the shm file: rank dst hands it back)", seg["keep"])
+        size = shm_offsets([(g.layout, g.elems) for g in groups])[1]
         if c.int(seg["size"], "header.shm.size") != size or size > limits.max_payload_bytes:
             raise c.fail("header.shm.size", f"{size} (the bytes the groups announce)", seg["size"])
         shm = (c.str(seg["name"], "header.shm.name"), size, "keep" in seg)
@@ -378,7 +367,7 @@ def decode_header(obj: Any, kind: Kind, src: int, payload_len: int, limits: Limi
 def decode_index(header: DataHeader, payload: torch.Tensor | None, src: int) -> list[tuple]:
     """Each group's ``(file_ids, frame_idx, lengths)``, checked: runs inside ``files``, lengths that sum right.
 
-    ``file_ids`` and ``frame_idx`` are int64 ``[rows]``; ``lengths`` (as `tdgather.core.plan.Part` holds
+    ``file_ids`` and ``frame_idx`` are int64 ``[rows]``; ``lengths`` (as `tdgather.core.part.Part` holds
     it) is empty when no leaf is ragged, else has per tensor leaf its frames' row counts (int64
     ``[rows]``, each >= 0, summing to the leaf's ``elems``), or None for a leaf that is not ragged.
     """

@@ -2,12 +2,14 @@
 
 `FieldCheck` gives typed access to fields, each refusal naming the field and saying what was
 expected and what came; `ProtocolCheck` raises `ProtocolError` naming the peer, and the format
-layer's `Check` raises `DatasetError` naming the file. `decode_layout` reads a frame layout (the
-same description travels on the wire and is stored in every shard).
+layer's `Check` raises `DatasetError` naming the file. `strict_json` is the one parser of such
+JSON. `decode_layout` reads a frame layout (the same description travels on the wire and is
+stored in every shard).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -16,7 +18,38 @@ from ..errors import ProtocolError
 from .dtypes import dtype_from_name
 from .frames import Layout
 
-__all__ = ["FieldCheck", "ProtocolCheck", "decode_layout"]
+__all__ = ["FieldCheck", "ProtocolCheck", "decode_layout", "strict_json"]
+
+
+def strict_json(raw: bytes | bytearray | memoryview | str) -> Any:
+    """Parse JSON strictly: UTF-8, no NaN or Infinity, no duplicate keys.
+
+    Raises ``UnicodeDecodeError`` or ``ValueError`` (``RecursionError`` past the parser's depth):
+    the caller says whose JSON it was.
+
+    >>> strict_json(b'{"a": [1, 2.5, null]}')
+    {'a': [1, 2.5, None]}
+    >>> strict_json('{"a": 1, "a": 2}')
+    Traceback (most recent call last):
+    ValueError: duplicate key 'a'
+    """
+    text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
+    return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate key {k!r:.60}")
+            seen.add(k)
+    return obj
 
 
 class FieldCheck:

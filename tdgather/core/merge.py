@@ -22,7 +22,8 @@ import torch
 
 from .duplicates import DuplicateCounts
 from .frames import Frames
-from .plan import Group, Mismatches, Part, Placement, keep_first_layouts, place, scatter_chunks
+from .part import Part
+from .plan import Group, Mismatches, Placement, keep_first_layouts, place, scatter_chunks
 from .ragged import Ragged
 
 __all__ = ["REF_RUN_BYTES", "Merged", "Rows", "as_parts", "cut_groups", "group_bytes", "merge"]

@@ -36,7 +36,6 @@ from .rows import run_start, scatter_rows
 __all__ = [
     "Group",
     "Mismatches",
-    "Part",
     "Placement",
     "joined_chunks",
     "keep_first_layouts",

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["gather_rows", "row_view", "run_start", "scatter_rows"]
+__all__ = ["row_view", "run_start", "scatter_rows"]
 
 _WIDTHS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -30,13 +30,6 @@ def row_view(t: torch.Tensor, width: int | None = None) -> torch.Tensor:
     width = width or _row_width(t)
     nbytes = math.prod(t.shape[1:]) * t.dtype.itemsize
     return t.view(-1).view(torch.uint8).view(_WIDTHS[width]).view(t.shape[0], nbytes // width)
-
-
-def gather_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
-    """``dst[i] = src[index[i]]`` for whole rows, bit-exact, in one kernel."""
-    src = src.contiguous()
-    width = min(_row_width(dst), _row_width(src))
-    torch.index_select(row_view(src, width), 0, index, out=row_view(dst, width))
 
 
 def scatter_rows(dst: torch.Tensor, target: int | torch.Tensor, src: torch.Tensor) -> None:

@@ -10,7 +10,6 @@ still reads only its rows. Every refusal is a `DatasetError` naming the file and
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..core.checks import FieldCheck, decode_layout
+from ..core.checks import FieldCheck, decode_layout, strict_json
 from ..core.dtypes import SAFETENSORS_CODE, dtype_name
 from ..core.frames import Layout
 from ..core.promote import common_layout, dotted
@@ -70,26 +69,10 @@ def key(name: str) -> str:
     return f"[{name[:40]!r}{'...' if len(name) > 40 else ''}]"
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise ValueError(f"duplicate key {k!r:.60}")
-            seen.add(k)
-    return obj
-
-
 def load_json(raw: bytes | str, c: Check, field: str) -> Any:
     """Parse strictly: UTF-8, no NaN or Infinity, no duplicate keys (deep nesting is refused, not a crash)."""
     try:
-        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+        return strict_json(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise DatasetError(c.file, field, f"expected strict UTF-8 JSON (no NaN, no duplicate keys), got {e}") from e
 

@@ -41,6 +41,7 @@ __all__ = [
     "INCOMPLETE_NAME",
     "INDEX_NAME",
     "INDEX_VERSION",
+    "OURS",
     "RUN_NAME",
     "SHA256",
     "SHARD_NAME",
@@ -138,6 +139,10 @@ RUN_NAME = "tdgather.run.json"  # the run that opened last, written before any s
 # first 12 hex digits of the run id and the attempt, so no run or attempt ever overwrites another's object
 SHARD_PATTERN = r"shard-[0-9]{5,}(-[0-9]{5,})?(\.[0-9a-f]{12}-[0-9]{1,9})?\.safetensors"
 SHARD_NAME = re.compile(SHARD_PATTERN)
+# every name tdgather writes into a dataset: the only files it ever replaces or removes
+OURS = re.compile(
+    "(" + "|".join([SHARD_PATTERN, *(re.escape(n) for n in (INDEX_NAME, INCOMPLETE_NAME, RUN_NAME))]) + ")"
+)
 GROUP_NAME = re.compile(r"g[0-9]+")
 SHA256 = re.compile(r"[0-9a-f]{64}")  # a shard's checksum, as the index lists it (version 5 on)
 CRC32_MAX = 2**32 - 1  # a local shard's CRC-32 is an integer in 0..CRC32_MAX (version 7 on)

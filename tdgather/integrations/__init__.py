@@ -1,1 +1,1 @@
-"""Layer 5, other libraries' hooks (Lightning). They use only tdgather's public names."""
+"""Layer 5, other libraries' hooks: Lightning's prediction writer, and the Hugging Face ``datasets`` export."""

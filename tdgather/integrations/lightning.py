@@ -9,7 +9,7 @@ runs, within the Collector's memory budget. Nothing is kept per rank, so pass
     import torch
     from torch.utils.data import DataLoader
 
-    from tdgather.lightning import PredictionWriter
+    from tdgather.integrations.lightning import PredictionWriter
 
     class Model(L.LightningModule):
         def __init__(self):

@@ -2,7 +2,7 @@
 
 A file is written to a temporary name in its directory, fsynced, renamed into place, and the
 directory fsynced, so a crash leaves the old state or the new one, never a partial file under
-a final name. A shard's bytes (`tdgather.storage.encode`) stream from its pieces straight into
+a final name. A shard's bytes (`tdgather.format.codec`) stream from its pieces straight into
 ``writev``: no staging copy of the whole file is made.
 """
 

@@ -158,7 +158,7 @@ class Catalog:
     def load(
         self, files: Mapping[str, dict], layouts: Mapping[str, Layout], written: Mapping[str, torch.Tensor]
     ) -> None:
-        """Take what earlier attempts saved (`tdgather.storage.recovery.RunState`'s files, layouts and runs)."""
+        """Take what earlier attempts saved (`tdgather.storage.runstate.RunState`'s files, layouts and runs)."""
         for name, entry in files.items():
             runs = written.get(name)
             for seg in entry["segments"]:

@@ -18,8 +18,10 @@ from ..format.names import INCOMPLETE_NAME, INDEX_NAME, RUN_NAME
 from .atomic import LocalFS
 from .location import local_path
 from .outdir import check_output, describe_names, lock_dir, publish, remove_ours, staging_of
-from .recovery import RunState, index_runs, load_state, new_run, shard_files
+from .resume import load_state
 from .runmark import RunMark
+from .runstate import RunState, new_run
+from .scan import index_runs, shard_files
 from .store import LocalStore
 
 __all__ = ["LocalOutput"]
@@ -27,6 +29,8 @@ __all__ = ["LocalOutput"]
 
 class LocalOutput:
     """A dataset directory on a local filesystem: staged in ``<name>.partial``, moved into place.
+
+    The `tdgather.storage.output.Output` of a store with ``atomic_rename`` (its call order is there).
 
     Attributes:
         target: the dataset directory.
@@ -71,8 +75,8 @@ class LocalOutput:
         RunMark.now(state.run, self.overwrite).put(self.store)  # before any shard: a resume continues this run
         return state
 
-    def open_part(self) -> list[str]:
-        """Another writer's part: the staging directory rank dst made must be visible; its shards' names."""
+    def join(self) -> list[str]:
+        """Another writer joins the run: the staging directory rank dst made must be visible; its shards' names."""
         if not self.staging.is_dir():
             raise OutputError(
                 f"{str(self.staging)!r}, which rank dst made, is not there as this rank sees it: with "

@@ -7,9 +7,8 @@ block (the index, a record, a small shard) is one PUT. On S3 `PARTS_IN_FLIGHT` p
 once while the next is cut; other stores take fsspec's buffered file (``autocommit=False``), one
 part at a time. Memory stays bounded: `PARTS_IN_FLIGHT` + 1 parts of `BLOCK_BYTES`.
 
-Shards are read by byte ranges (`RangeShard`): the 8-byte length, the header, then only the
-rows asked for. Everything read is checked before use: the header's length, every tensor's
-dtype, shape and byte range against the object's size.
+An object is read by byte ranges (`RangedObject`): a shard's header, then only the rows asked
+for (`tdgather.format.codec` reads and checks them).
 """
 
 from __future__ import annotations
@@ -17,31 +16,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import json
 import logging
 import os
-import struct
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import torch
-
-from ..core.dtypes import SAFETENSORS_CODE
 from ..errors import DatasetError, OutputError, TdgatherError
 from ..format.names import RUN_TAG, SHARD_NAME, shard_run
 from .store import Written, hashed
 
-__all__ = ["BLOCK_BYTES", "PARTS_IN_FLIGHT", "ObjectStore", "RangeShard"]
+__all__ = ["BLOCK_BYTES", "PARTS_IN_FLIGHT", "ObjectStore", "RangedObject"]
 
 log = logging.getLogger("tdgather")
 
 BLOCK_BYTES = 8 << 20  # one multipart part (S3 takes 5 MiB at least); chunks are cut to it before the upload
 PARTS_IN_FLIGHT = 3  # S3: parts uploading at once, while the next is cut (other stores: one at a time)
-_HEADER_MAX = 100 << 20  # safetensors' own limit on a header
-_DTYPE = {code: dtype for dtype, code in SAFETENSORS_CODE.items()}
 # S3's answers to a failed condition, as s3fs words them
 _CONDITION_FAILED = ("pre-condition", "PreconditionFailed", "ConditionalRequestConflict")
 _UNCONDITIONAL = threading.Lock()  # a store without conditional writes: check-then-put, one at a time in a process
@@ -52,7 +43,8 @@ _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "a
 class ObjectStore:
     """The objects under one prefix of an fsspec URL; `tdgather.storage.store.Store` for object stores."""
 
-    local = False
+    atomic_rename = False
+    checksum = "sha256"
 
     def __init__(self, url: str, storage_options: dict | None = None, block_bytes: int = BLOCK_BYTES) -> None:
         self.scheme = url.split("://", 1)[0].lower()
@@ -163,37 +155,12 @@ class ObjectStore:
             except FileNotFoundError:
                 raise DatasetError(self.path(name), "object", _GONE) from None
 
-    def read_range(self, name: str, start: int, end: int) -> bytes:
-        """Bytes ``start:end`` of the object, all of them or a `DatasetError`."""
-        if end <= start:
-            return b""
-        with self._errors(f"reading {name}"):
-            try:
-                data = self.fs.cat_file(self._key(name), start=start, end=end)
-            except FileNotFoundError:
-                raise DatasetError(self.path(name), "object", _GONE) from None
-        if len(data) != end - start:
-            raise DatasetError(self.path(name), "object", f"expected bytes {start}..{end}, got {len(data)} bytes")
-        return data
-
-    def open_safetensors(self, name: str) -> RangeShard:
-        """The shard's header, read and checked; its rows are read by ranges as asked for."""
-        return RangeShard(self, name)
-
-    def digest(self, name: str, sha256: bool = True) -> Written:
-        """The object's size, sha256 (unless not ``sha256``) and CRC-32, streamed a block at a time."""
-        h, size, crc = (hashlib.sha256() if sha256 else None), 0, 0
-        with self._errors(f"reading {name}"):
-            try:
-                with self.fs.open(self._key(name), "rb", block_size=self.block_bytes) as fh:
-                    while block := fh.read(self.block_bytes):
-                        if h is not None:
-                            h.update(block)
-                        crc = zlib.crc32(block, crc)  # a local dataset's checksum, copied here
-                        size += len(block)
-            except FileNotFoundError:
-                raise DatasetError(self.path(name), "object", _GONE) from None
-        return Written(size, None if h is None else h.hexdigest(), crc)
+    def open(self, name: str) -> RangedObject:
+        """The object, to read by byte ranges (`RangedObject`)."""
+        size = self.size(name)
+        if size is None:
+            raise DatasetError(self.path(name), "object", _GONE)
+        return RangedObject(self, name, size)
 
     def put(self, name: str, chunks: Iterable, then: Callable[[Callable[[], None]], None] | None = None) -> Written:
         """Upload an object from its chunks: it appears whole once complete, or not at all.
@@ -221,10 +188,13 @@ class ObjectStore:
     def _multipart(self, name: str, first: bytearray, rest: Iterator) -> None:
         from fsspec.spec import AbstractBufferedFile
 
-        if self.scheme in ("s3", "s3a") and hasattr(self.fs, "call_s3"):
+        if self._s3:
             return self._s3_multipart(name, first, rest)
+        if self.scheme == "memory":  # no multipart upload (opening the file makes it): one PUT of every byte
+            self.fs.pipe_file(self._key(name), bytes(first) + b"".join(bytes(p) for p in rest))
+            return
         f = self.fs.open(self._key(name), "wb", block_size=self.block_bytes, autocommit=False)
-        if not isinstance(f, AbstractBufferedFile):  # no multipart upload (memory://): one PUT of the bytes
+        if not isinstance(f, AbstractBufferedFile):  # another filesystem without multipart uploads: one PUT
             f.discard()
             self.fs.pipe_file(self._key(name), bytes(first) + b"".join(bytes(p) for p in rest))
             return
@@ -304,6 +274,8 @@ class ObjectStore:
                 except OSError as e:
                     if isinstance(e, FileExistsError) or any(w in str(e) for w in _CONDITION_FAILED):
                         return False
+                    if isinstance(e, FileNotFoundError) and expected is not None:  # If-Match on a removed object
+                        return False
                     raise
                 finally:
                     self.fs.invalidate_cache(self._key(name))
@@ -356,6 +328,11 @@ class ObjectStore:
         return aborted
 
     @property
+    def conditional_put(self) -> bool:
+        """S3's ``If-Match`` / ``If-None-Match``: `put_if` is atomic against other processes (elsewhere not)."""
+        return self._s3
+
+    @property
     def _s3(self) -> bool:
         return self.scheme in ("s3", "s3a") and hasattr(self.fs, "call_s3")
 
@@ -398,114 +375,25 @@ def _blocks(chunks: Iterable, size: int) -> Iterator[memoryview]:
 _GONE = "no such object (was the dataset rewritten since it was opened? open it again)"
 
 
-class RangeShard:
-    """A safetensors object read by byte ranges, with the calls tdgather makes of ``safe_open``.
+class RangedObject:
+    """An object as a `tdgather.format.codec.ByteSource`: each read one ranged GET, checked to be whole."""
 
-    Opening reads the 8-byte header length and the header, and checks every tensor's dtype,
-    shape and data range against the object's size; ``get_slice(name)[lo:hi]`` then reads rows
-    ``lo:hi`` only.
-    """
+    mapped = False
 
-    def __init__(self, store: ObjectStore, name: str) -> None:
-        self.store, self.name = store, name
-        where = store.path(name)
-        size = store.size(name)
-        if size is None:
-            raise DatasetError(where, "object", _GONE)
-        if size < 8:
-            raise DatasetError(where, "header", f"expected a safetensors file (at least 8 bytes), got {size} bytes")
-        (n,) = struct.unpack("<Q", store.read_range(name, 0, 8))
-        if n > min(_HEADER_MAX, size - 8):
-            raise DatasetError(where, "header", f"expected a header length within the object's {size} bytes, got {n}")
-        try:
-            header = json.loads(store.read_range(name, 8, 8 + n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DatasetError(where, "header", f"expected a JSON header, got {e}") from e
-        if not isinstance(header, dict):
-            raise DatasetError(where, "header", f"expected a JSON object, got {type(header).__name__}")
-        meta = header.pop("__metadata__", None) or {}
-        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-            raise DatasetError(where, "header.__metadata__", "expected str -> str")
-        self._meta = meta
-        self._base = 8 + n
-        self._tensors: dict[str, tuple[str, list[int], int, int]] = {}
-        data = size - self._base
-        for key, desc in header.items():
-            if not isinstance(desc, dict) or set(desc) != {"dtype", "shape", "data_offsets"}:
-                raise DatasetError(where, f"header[{key!r}]", "expected {dtype, shape, data_offsets}")
-            code, shape, offsets = desc["dtype"], desc["shape"], desc["data_offsets"]
-            ok = (
-                code in _DTYPE
-                and isinstance(shape, list)
-                and all(type(d) is int and d >= 0 for d in shape)
-                and isinstance(offsets, list)
-                and len(offsets) == 2
-                and all(type(o) is int for o in offsets)
-            )
-            if not ok or not 0 <= offsets[0] <= offsets[1] <= data:
-                expected = f"expected a dtype, shape and range in 0..{data}, got {desc}"
-                raise DatasetError(where, f"header[{key!r}]", expected)
-            numel = 1
-            for d in shape:
-                numel *= d
-            if offsets[1] - offsets[0] != numel * _DTYPE[code].itemsize:
-                raise DatasetError(where, f"header[{key!r}]", f"expected {numel} {code} values' bytes, got {desc}")
-            self._tensors[key] = (code, shape, offsets[0], offsets[1])
+    def __init__(self, store: ObjectStore, name: str, size: int) -> None:
+        self.store, self.name, self.size = store, name, size
+        self.where = store.path(name)
 
-    def __enter__(self) -> RangeShard:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def metadata(self) -> dict[str, str]:
-        """The header's ``__metadata__``."""
-        return dict(self._meta)
-
-    def keys(self) -> list[str]:
-        """The tensor names, sorted."""
-        return sorted(self._tensors)
-
-    def get_slice(self, key: str) -> _Slice:
-        """A tensor, unread: its dtype and shape, and rows read on indexing."""
-        if key not in self._tensors:
-            raise DatasetError(self.store.path(self.name), "header", f"expected a tensor {key!r}, got none")
-        return _Slice(self, key)
-
-    def get_tensor(self, key: str) -> torch.Tensor:
-        """A whole tensor."""
-        return self.get_slice(key)[:]
-
-    def rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``lo:hi`` (clamped to the tensor) of ``key``, read by one byte range."""
-        code, shape, start, end = self._tensors[key]
-        dtype = _DTYPE[code]
-        n = shape[0] if shape else 1
-        lo, hi = max(0, min(lo, n)), max(0, min(hi, n))
-        hi = max(lo, hi)
-        row = (end - start) // n if n else 0
-        data = self.store.read_range(self.name, self._base + start + lo * row, self._base + start + hi * row)
-        out = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
-        return out.reshape(hi - lo, *shape[1:]) if shape else out.reshape(())
-
-
-class _Slice:
-    """One tensor of a `RangeShard`: ``get_dtype()``, ``get_shape()``, ``[lo:hi]`` on its first dimension."""
-
-    def __init__(self, shard: RangeShard, key: str) -> None:
-        self.shard, self.key = shard, key
-
-    def get_dtype(self) -> str:
-        return self.shard._tensors[self.key][0]
-
-    def get_shape(self) -> list[int]:
-        return list(self.shard._tensors[self.key][1])
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        shape = self.get_shape()
-        if not shape:
-            return self.shard.rows(self.key, 0, 1)
-        if not isinstance(index, slice) or index.step not in (None, 1):
-            raise TypeError(f"a RangeShard reads a slice of rows lo:hi, got {index!r}")
-        lo, hi, _ = index.indices(shape[0])
-        return self.shard.rows(self.key, lo, hi)
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``start:end`` of the object, all of them or a `DatasetError`."""
+        if end <= start:
+            return b""
+        store = self.store
+        with store._errors(f"reading {self.name}"):
+            try:
+                data = store.fs.cat_file(store._key(self.name), start=start, end=end)
+            except FileNotFoundError:
+                raise DatasetError(self.where, "object", _GONE) from None
+        if len(data) != end - start:
+            raise DatasetError(self.where, "object", f"expected bytes {start}..{end}, got {len(data)} bytes")
+        return data

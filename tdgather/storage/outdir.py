@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import OutputError
-from ..format.names import FORMAT, INCOMPLETE_NAME, INDEX_NAME, RUN_NAME, SHARD_NAME, SHARD_PATTERN
+from ..format.names import FORMAT, INDEX_NAME, OURS, SHARD_NAME
 
 __all__ = [
     "describe_names",
@@ -37,8 +37,7 @@ __all__ = [
 ]
 
 
-_FILES = "(" + "|".join([SHARD_PATTERN, *(re.escape(n) for n in (INDEX_NAME, INCOMPLETE_NAME, RUN_NAME))]) + ")"
-_OURS = re.compile(_FILES + r"|\." + _FILES + r"\.tmp-\d+")
+_OURS = re.compile(OURS.pattern + r"|\." + OURS.pattern + r"\.tmp-\d+")  # and their temporary names
 
 
 def _foreign(directory: Path) -> list[str]:
@@ -98,7 +97,7 @@ def check_output(path: str | os.PathLike, overwrite: bool, resume: bool = False)
     what a tdgather run left there. Anything else is refused even with ``overwrite=True``:
     tdgather never deletes a file it did not write. The parent must be creatable and writable.
     With ``resume=True``, a complete dataset at the target and tdgather's files in ``<name>.partial``
-    are what the run continues from (`tdgather.storage.recovery`), not obstacles.
+    are what the run continues from (`tdgather.storage.resume`), not obstacles.
     """
     target = Path(path)
     staging = staging_of(target)

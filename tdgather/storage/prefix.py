@@ -25,34 +25,34 @@ Rules (checked by rank dst before any frame moves):
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 from ..errors import DatasetError, OutputError
 from ..format.check import Check, load_json
+from ..format.codec import SafetensorsFile
 from ..format.names import (
     FORMAT,
     INCOMPLETE_NAME,
     INDEX_NAME,
+    OURS,
     RUN_NAME,
     RUN_TAG,
     SHARD_NAME,
-    SHARD_PATTERN,
     shard_run,
 )
 from .outdir import describe_names
-from .recovery import RunState, from_index, from_shards, index_runs, loose_shards, new_run
 from .runmark import RunMark
+from .runstate import RunState, new_run
+from .scan import from_index, from_shards, index_runs, loose_shards
 from .store import Store
 
-__all__ = ["OURS", "PrefixOutput"]
-
-_FILES = (INDEX_NAME, INCOMPLETE_NAME, RUN_NAME)
-OURS = re.compile("(" + "|".join([SHARD_PATTERN, *(re.escape(n) for n in _FILES)]) + ")")
+__all__ = ["PrefixOutput"]
 
 
 class PrefixOutput:
     """A dataset under an object store prefix: shards written in place, the index last.
+
+    The `tdgather.storage.output.Output` of an object store (its call order is there).
 
     Attributes:
         target: the dataset's URL.
@@ -163,8 +163,7 @@ class PrefixOutput:
                     c = Check(self.store.path(name))
                     ok = c.mapping(load_json(self.store.read(name), c, "index"), "index").get("format") == FORMAT
                 else:
-                    with self.store.open_safetensors(name) as f:
-                        ok = (f.metadata() or {}).get("format") == FORMAT
+                    ok = SafetensorsFile(self.store.open(name)).metadata().get("format") == FORMAT
             except DatasetError:
                 ok = False
             if not ok:
@@ -174,8 +173,8 @@ class PrefixOutput:
                     "overwrite=True: choose another prefix, or move it away"
                 )
 
-    def open_part(self) -> list[str]:
-        """Another writer's part: nothing to check (it writes its own objects); no shard of its tag exists yet."""
+    def join(self) -> list[str]:
+        """Another writer joins the run: nothing to check (it writes its own objects); no shard of its tag is there."""
         return []
 
     def commit(self, index: Iterable[bytes], shards: Iterable[str]) -> str:

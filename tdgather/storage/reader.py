@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +42,10 @@ from ..format.check import (
 from ..format.names import INCOMPLETE_NAME, INDEX_NAME
 from .location import store_at
 from .outdir import staging_of
-from .recovery import loose_shards, partial_index
+from .scan import loose_shards, partial_index
 from .segments import OpenShard, cat_columns, offsets_of_rows, open_shard, read_rows
-from .store import LocalStore, Store
+from .store import LocalStore, Store, digest
+from .views import FrameDataset
 
 __all__ = ["OPEN_SHARDS", "Dataset", "open_dataset"]
 
@@ -65,12 +66,16 @@ class Dataset(Mapping[str, Frames]):
         metadata: totals and user metadata; for an incomplete dataset, ``metadata["failure"]``.
     """
 
+    # ``ds.to_hf(cache_dir=None, *, filenames=None)``, the frames as a Hugging Face dataset: the package
+    # (tdgather/__init__.py) sets `tdgather.integrations.hf.to_hf` here; the storage layer imports no integration
+    to_hf: Callable[..., Any]
+
     def __init__(self, path: str | os.PathLike, incomplete: bool = False, storage_options: dict | None = None) -> None:
         store = store_at(path, storage_options)
         self.store: Store = store
-        self.path: Path | str = Path(store.where) if store.local else store.where
+        self.path: Path | str = Path(store.where) if store.atomic_rename else store.where
         built = None
-        if not store.local:
+        if not store.atomic_rename:
             index_name = self._open_prefix(incomplete)
             built = self._built
         elif incomplete:
@@ -181,7 +186,7 @@ class Dataset(Mapping[str, Frames]):
         if not ragged:
             return out
         idx, per_leaf = [], {j: [] for j in ragged}
-        for shard, group, lo, hi in self._segments(name):
+        for shard, group, lo, hi in self.segments(name):
             stored = self._plan.groups[shard.shard, group]
             names = shard.names(group, stored)
             idx.append(shard.f.get_slice(names.frame_idx)[lo:hi])
@@ -198,15 +203,7 @@ class Dataset(Mapping[str, Frames]):
 
     def per_frame(self) -> Any:
         """The frames as a map-style ``torch.utils.data.Dataset``, one item a frame (`tdgather.storage.views`)."""
-        from .views import FrameDataset
-
         return FrameDataset(self)
-
-    def to_hf(self, **kwargs: Any) -> Any:
-        """The frames as a Hugging Face ``datasets.Dataset``, one row a frame (`tdgather.storage.views`; extra hf)."""
-        from .views import to_hf
-
-        return to_hf(self, **kwargs)
 
     def verify(self, checksums: bool = True) -> int:
         """Check every shard now: its header and size against the index, and (``checksums``) every byte.
@@ -231,7 +228,7 @@ class Dataset(Mapping[str, Frames]):
                 raise c.fail("size", f"{entry['size']} bytes, as the index records (the file changed since)", size)
             if not checksums or not {"sha256", "crc32"} & set(entry):
                 continue
-            got = self.store.digest(shard, sha256="sha256" in entry)
+            got = digest(self.store, shard, sha256="sha256" in entry)
             changed = "as the index records (the file changed since it was written)"
             if "sha256" in entry and got.sha256 != entry["sha256"]:
                 raise c.fail("sha256", f"sha256 {entry['sha256']}, {changed}", got.sha256)
@@ -264,7 +261,7 @@ class Dataset(Mapping[str, Frames]):
                 self._open.popitem(last=False)
         return opened
 
-    def _segments(self, name: str, only: int | None = None) -> Iterator[tuple[OpenShard, str, int, int]]:
+    def segments(self, name: str, only: int | None = None) -> Iterator[tuple[OpenShard, str, int, int]]:
         """Each segment of ``name`` (or only segment ``only``): its open shard, group, and rows ``lo, hi``."""
         segments = self._files[name]["segments"]
         for i in range(len(segments)) if only is None else range(only, min(only + 1, len(segments))):
@@ -275,7 +272,7 @@ class Dataset(Mapping[str, Frames]):
     def __getitem__(self, name: str) -> Frames:
         entry = self._files[name]
         layout = self.layout(name)
-        pieces = [self.read_rows(s, group, name, lo, hi) for s, group, lo, hi in self._segments(name)]
+        pieces = [self.read_rows(s, group, name, lo, hi) for s, group, lo, hi in self.segments(name)]
         idx, tensors, json_values = pieces[0]
         if len(pieces) > 1:  # segments written at different times: merge them by frame_idx
             order = torch.argsort(torch.cat([p[0] for p in pieces]))

@@ -5,7 +5,7 @@ trace, and a resume would take the dataset it was replacing for the one to conti
 (rank dst, when its Collector or `tdgather.save` opens the output) first records who it is: its run
 id, whether it may replace the dataset there (``overwrite``), and where and when it opened. A
 resume then continues the run the mark names, unless that run committed (`tdgather.storage.prefix`,
-`tdgather.storage.recovery.load_state`); a commit that finds another run's dataset names that run.
+`tdgather.storage.resume.load_state`); a commit that finds another run's dataset names that run.
 The last run to open wins the mark; the commit never depends on it (it is conditional on the index).
 
 Read as hostile input: a mark that is not a small JSON object of the expected types is a
@@ -28,7 +28,7 @@ from .store import Store
 __all__ = ["RunMark"]
 
 _MAX_BYTES = 64 << 10
-_RUN = re.compile(r"[0-9a-f]{32}")  # `tdgather.storage.recovery.new_run`: uuid4().hex
+_RUN = re.compile(r"[0-9a-f]{32}")  # `tdgather.storage.runstate.new_run`: uuid4().hex
 
 
 @dataclass(frozen=True)

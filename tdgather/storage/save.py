@@ -79,7 +79,7 @@ def _check_save_input(frames: Any) -> None:
     ``ragged=`` and the receiving rank are decided, and with torch.distributed initialised a
     gather inside ``save`` would be a collective call only some ranks make.
     """
-    from ..core.store import FrameStore  # here: the store is not needed to write
+    from ..core.framestore import FrameStore  # here: the store is not needed to write
 
     if frames is None:
         raise UnsupportedValueError(

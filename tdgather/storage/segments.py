@@ -16,6 +16,7 @@ from ..core.frames import Layout
 from ..core.promote import common_layout, promote_columns
 from ..core.ragged import Ragged
 from ..format.check import Check, check_group, check_layout, check_segment, json_scalar, names_in, shard_groups
+from ..format.codec import SafetensorsFile
 from ..format.names import SHARD_NAME, GroupNames, group_names
 from .store import Store
 
@@ -24,13 +25,13 @@ __all__ = ["OpenShard", "cat_columns", "offsets_of_rows", "open_shard", "read_ro
 
 @dataclass
 class OpenShard:
-    """A shard a `Dataset` opened and checked: the ``safe_open`` handle, and its tensor names per group.
+    """A shard a `Dataset` opened and checked: its `tdgather.format.codec.SafetensorsFile`, and tensor names per group.
 
-    The handle maps the file as it was when opened: it keeps reading those bytes after the path is
+    A local file is mapped as it was when opened: it keeps reading those bytes after the path is
     replaced or removed.
 
     Attributes:
-        f: the ``safe_open`` handle.
+        f: the `tdgather.format.codec.SafetensorsFile`.
         c: the shard file's `Check` (errors name the file).
         version: the tensor names' version (`tdgather.format.names`), from its ``__metadata__``.
         shard: the shard's name, as the index lists it.
@@ -54,7 +55,7 @@ def open_shard(store: Store, name: str, c: Check, field: str) -> Any:
     """Open a shard named by ``field`` of ``c``'s file; a name that is not a shard's (a path) is refused unopened."""
     if not SHARD_NAME.fullmatch(name):
         raise c.fail(field, "a shard file name like 'shard-00000.safetensors' (no directory)", name)
-    return store.open_safetensors(name)
+    return SafetensorsFile(store.open(name))
 
 
 def read_segment(store: Store, segment: dict, layout: Layout) -> tuple[torch.Tensor, list, list]:

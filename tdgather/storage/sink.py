@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from ..core.duplicates import DuplicateCounts, DuplicatePolicy
 from ..core.plan import Mismatches
-from .recovery import Saved
+from .saved import Saved
 
 __all__ = ["Sink", "SinkFactory"]
 
@@ -29,7 +29,7 @@ class Sink(Protocol):
     2. ``write(frames, ranks, mismatches)``, any number of times, on the writing rank's writer
        thread: each call writes whole shards; frames already written are resolved by the policy;
     3. with several writers: a block's writer calls ``report()`` (its shards, sent to the
-       coordinator), and the coordinator (rank dst) calls ``combine(parts)`` with every report;
+       coordinator), and the coordinator (rank dst) calls ``combine(reports)`` with every report;
     4. one of: ``commit(metadata)`` (the index, written last, is the one commit point; a block
        writer's commit only makes its shards durable); ``abort(failure, metadata, rank)`` (what was
        written stays, listed in the incomplete record, for ``incomplete=True`` and ``resume=True``);
@@ -67,7 +67,7 @@ class Sink(Protocol):
     def report(self) -> dict[str, dict]:
         """A block writer's shards (name, frames, bytes, size), once durable."""
 
-    def combine(self, parts: Mapping[int, Mapping[str, dict]]) -> DuplicateCounts:
+    def combine(self, reports: Mapping[int, Mapping[str, dict]]) -> DuplicateCounts:
         """The coordinator: every writer's shards into one index, copies across writers resolved."""
 
     def commit(self, metadata: Mapping[str, Any] | None = None) -> Path:

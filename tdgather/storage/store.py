@@ -1,15 +1,23 @@
-"""`Store`: the place a dataset's files are kept, as the readers and writers see it. The storage seam.
+"""`Store`: the place a dataset's files are kept, as bytes. The storage seam.
 
 Everything tdgather reads or writes goes through a `Store`, one directory (or object prefix) at a
-time: list what is there, read a file or a byte range of it, open a shard's safetensors header,
-put a file atomically (a whole object or nothing), remove one by name. Two implementations:
+time, and a store knows bytes only: list what is there, a file's size, open a file to read byte
+ranges of it (`tdgather.format.codec.ByteSource`), put a file atomically (a whole object or
+nothing), put a small one only if it is absent or unchanged, remove one by name. What the bytes
+mean (a safetensors shard, an index) is the format's (`tdgather.format`). Two implementations:
 
 - `LocalStore`: a directory on a local or mounted filesystem; files are written to a temporary
-  name, fsynced and renamed into place (`tdgather.storage.atomic.LocalFS`), shards are mapped;
+  name, fsynced and renamed into place (`tdgather.storage.atomic.LocalFS`), and mapped to be read;
 - `tdgather.storage.objects.ObjectStore`: an fsspec URL (``s3://``, ``gs://``, ``az://``,
-  ``memory://``, ...); an object is put whole or not at all, shards are read by byte ranges.
+  ``memory://``, ...); an object is put whole or not at all, and read by byte ranges.
 
-`tdgather.storage.location.store_at(path, storage_options)` picks one for a path or URL.
+A store says what it can do in three flags, which writers and readers choose by:
+``atomic_rename`` (a directory can be staged beside the dataset and renamed into place:
+`tdgather.storage.local`; else the commit is the index's conditional put: `tdgather.storage.prefix`),
+``conditional_put`` (`Store.put_if`'s condition is the store's own, atomic against other processes)
+and ``checksum`` (what `Store.put` computes and the index records: ``"crc32"`` or ``"sha256"``).
+tests/store_conformance.py holds the behaviour every store must have: adding a store is one module,
+and one line there. `tdgather.storage.location.store_at(path, storage_options)` picks one.
 """
 
 from __future__ import annotations
@@ -24,12 +32,13 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from safetensors import SafetensorError, safe_open
-
 from ..errors import DatasetError
+from ..format.codec import ByteSource
 from .atomic import LocalFS
 
-__all__ = ["LocalStore", "Store", "Written", "crc32_of", "hashed"]
+__all__ = ["DIGEST_BLOCK", "LocalStore", "MappedFile", "Store", "Written", "crc32_of", "digest", "hashed"]
+
+DIGEST_BLOCK = 8 << 20  # `digest` reads a file this many bytes at a time
 
 
 class Written(NamedTuple):
@@ -57,7 +66,9 @@ class Store(Protocol):
     """
 
     where: str
-    local: bool  # files are renamed into place, and a directory can be staged beside it
+    atomic_rename: bool  # a directory can be staged beside the dataset and renamed into place
+    conditional_put: bool  # put_if's condition is the store's own, atomic against other processes
+    checksum: str  # what put computes and the index records: "crc32" or "sha256"
 
     def path(self, name: str) -> str:
         """One file of the store, as messages name it."""
@@ -69,16 +80,17 @@ class Store(Protocol):
         """A file's size, or None where it is not there (or not a regular file)."""
 
     def read(self, name: str) -> bytes:
-        """A whole file (an index, a record)."""
+        """A whole file (an index, a record); `DatasetError` where it is not there."""
 
-    def open_safetensors(self, name: str) -> Any:
-        """A shard opened for reading, with the calls of ``safetensors.safe_open``; raises `DatasetError`."""
-
-    def digest(self, name: str, sha256: bool = True) -> Written:
-        """A file's size, sha256 (unless not ``sha256``) and CRC-32, reading it whole."""
+    def open(self, name: str) -> ByteSource:
+        """A file to read byte ranges of, as it is now; `DatasetError` where it is not there."""
 
     def put(self, name: str, chunks: Iterable, then: Callable[[Callable[[], None]], None] | None = None) -> Written:
-        """Write a file from its chunks, atomically; with ``then``, the last step may be handed to it."""
+        """Write a file from its chunks (bytes-like), atomically: the whole file appears, or nothing.
+
+        With ``then``, the last step (making it durable) may be handed to it to run later. An error
+        of ``chunks`` is raised as it is; the file is then as it was (or not there).
+        """
 
     def remove(self, name: str) -> None:
         """Remove one file by name (absent: nothing happens)."""
@@ -90,9 +102,9 @@ class Store(Protocol):
         """Write a small file whole only if its `version` is still ``expected`` (None: only if absent).
 
         The one commit step goes through this (`tdgather.storage.prefix`). Where the store can
-        (S3's ``If-Match`` / ``If-None-Match``) the condition is the store's own; elsewhere it is
-        checked just before the write. False when the file changed (another run committed): nothing
-        was written.
+        (``conditional_put``: S3's ``If-Match`` / ``If-None-Match``, a lock on a local directory)
+        the condition is the store's own; elsewhere it is checked just before the write. False
+        when the file changed (another run committed): nothing was written.
         """
 
 
@@ -112,8 +124,42 @@ def crc32_of(chunks: Iterable, crc: list[int]) -> Iterator:
         yield chunk
 
 
+def digest(store: Store, name: str, sha256: bool = True) -> Written:
+    """A file's size, sha256 (unless not ``sha256``) and CRC-32, read whole a block at a time."""
+    source = store.open(name)
+    h, crc = (hashlib.sha256() if sha256 else None), 0
+    for at in range(0, source.size, DIGEST_BLOCK):
+        block = source.read(at, min(at + DIGEST_BLOCK, source.size))
+        if h is not None:
+            h.update(block)
+        crc = zlib.crc32(block, crc)
+    return Written(source.size, None if h is None else h.hexdigest(), crc)
+
+
+class MappedFile:
+    """A local file as a `tdgather.format.codec.ByteSource`: mapped, so reads are views and cost no copy.
+
+    The mapping keeps the bytes the file had when it was opened after its name is replaced or
+    removed. It is private (copy on write): a tensor made over it can be written to without
+    touching the file.
+    """
+
+    mapped = True
+
+    def __init__(self, path: str, where: str) -> None:
+        self.where = where
+        with open(path, "rb") as fh:
+            self.size = os.fstat(fh.fileno()).st_size
+            self._map: Any = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else b""
+        self._view = memoryview(self._map)
+
+    def read(self, start: int, end: int) -> memoryview:
+        """A view of bytes ``start:end``."""
+        return self._view[start:end]
+
+
 class LocalStore:
-    """A directory on a local (or mounted) filesystem: files renamed into place, shards mapped.
+    """A directory on a local (or mounted) filesystem: files renamed into place, and mapped to be read.
 
     Only files directly in the directory are opened; a link is followed only to a file in it.
     ``put`` computes each file's CRC-32 as it writes it (the index lists it: ``verify()`` checks
@@ -121,7 +167,9 @@ class LocalStore:
     writing to the page cache (docs/object-storage.md has the figures); a CRC-32 costs a fraction.
     """
 
-    local = True
+    atomic_rename = True
+    conditional_put = True  # under flock (a filesystem without locks: checked, unlocked)
+    checksum = "crc32"
 
     def __init__(self, root: str | os.PathLike, fs: LocalFS | None = None, checksums: bool = False) -> None:
         self.root = Path(root)
@@ -175,26 +223,13 @@ class LocalStore:
             raise DatasetError(str(path), "file", f"expected a regular file, got {got}")
         return real
 
-    def open_safetensors(self, name: str) -> Any:
-        """``safe_open`` on the file, which maps it: it reads those bytes even after the name is replaced."""
+    def open(self, name: str) -> MappedFile:
+        """The file, mapped (`MappedFile`); a link that leads out of the directory is refused."""
         real = self._inside(name)
         try:
-            return safe_open(real, framework="pt")
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise DatasetError(self.path(name), "header", f"expected a readable safetensors file, got {e}") from e
-
-    def digest(self, name: str, sha256: bool = True) -> Written:
-        """Size, sha256 (unless not ``sha256``) and CRC-32 of the file, read through a mapping."""
-        real = self._inside(name)
-        h, crc = (hashlib.sha256() if sha256 else None), 0
-        with open(real, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size:
-                with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                    if h is not None:
-                        h.update(m)
-                    crc = zlib.crc32(m)
-        return Written(size, None if h is None else h.hexdigest(), crc)
+            return MappedFile(real, self.path(name))
+        except (OSError, ValueError) as e:
+            raise DatasetError(self.path(name), "file", f"expected a readable file, got {e}") from e
 
     def put(self, name: str, chunks: Iterable, then: Callable[[Callable[[], None]], None] | None = None) -> Written:
         """Write through `LocalFS.write_atomic` (temporary name, fsync, rename, fsync the directory)."""

@@ -212,7 +212,6 @@ def _export_hf(args: argparse.Namespace) -> int:
     """Write a dataset as Hugging Face ``datasets``: ``save_to_disk`` (Arrow) or Parquet shards."""
     from ..storage.location import is_url, local_path
     from ..storage.reader import Dataset
-    from ..storage.views import to_hf
 
     out = local_path(args.out)  # a file:// URL is the path it names
     if out.exists():
@@ -224,7 +223,7 @@ def _export_hf(args: argparse.Namespace) -> int:
     ds = Dataset(args.path, storage_options=args.storage_options)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".tdgather-hf-", dir=out.parent) as cache:  # beside OUT, not in ~
-        hf = to_hf(ds, cache_dir=cache, filenames=args.filenames)
+        hf = ds.to_hf(cache_dir=cache, filenames=args.filenames)  # integrations.hf: tools may not import it
         if args.parquet:
             written = _write_parquet(hf, out, args.shard_bytes)
             how = f"datasets.load_dataset('parquet', data_dir={str(out / 'data')!r})"

@@ -1,11 +1,11 @@
-"""Many writers, one dataset: what each writer reports to the coordinator, checked as hostile input.
+"""Many writers, one dataset: what each block's writer reports to the coordinator, checked as hostile input.
 
 With ``Collector(path, ranks_per_writer=k)`` the ranks form blocks of k consecutive group ranks.
 The first rank of each block is the block's writer: its peers send to it, and it writes their
 frames into ``<path>.partial`` (which every writer must see: a shared filesystem) as shards of
 its own, ``shard-WWWWW-NNNNN.safetensors`` (writer W's N-th shard). Every shard records its own
-segments, run and attempt (`tdgather.storage.recovery`). At close each writer reports its `part` to the
-coordinator, rank dst, in its ``done`` message: the names, frames, bytes and file sizes of its
+segments, run and attempt (`tdgather.storage.scan`). At close each writer sends the coordinator, rank dst,
+its report in its ``done`` message: the names, frames, bytes and file sizes of its
 shards, frames per rank and duplicate counts. That is metadata only: no frame crosses a writer's
 link twice. The coordinator reads every shard's own record, resolves copies of one frame held
 by several writers (`tdgather.storage.combine`), and writes the one index last.
@@ -21,21 +21,21 @@ from ..core.checks import ProtocolCheck
 from ..core.duplicates import DuplicateCounts
 from .names import CRC32_MAX, SHA256, SHARD_NAME, shard_name, shard_numbers
 
-__all__ = ["check_part", "check_run", "counts_of"]
+__all__ = ["check_report", "check_run", "counts_of"]
 
 
-def check_part(obj: Any, src: int, writer: int) -> dict:
-    """A writer's report, checked as hostile input: shard names of writer ``writer`` only, counts.
+def check_report(obj: Any, src: int, writer: int) -> dict:
+    """A writer's report (``done.report``), checked as hostile input: shard names of writer ``writer`` only, counts.
 
     ``{"shards": {name: {"frames", "bytes", "size"[, "sha256"][, "crc32"]}}, "frames_per_rank": [[rank, frames], ...],
     "duplicates": {"exact", "inexact", "max_abs_diff"}}``; raises `ProtocolError` naming ``src``.
     """
     c = ProtocolCheck(src)
-    part = c.obj(obj, "done.part", {"shards", "frames_per_rank", "duplicates"})
-    if not isinstance(part["shards"], dict):
-        raise c.fail("done.part.shards", "an object: shard name -> frames, bytes, size, checksum", part["shards"])
-    for name, entry in part["shards"].items():
-        f = f"done.part.shards[{name!r}]"
+    report = c.obj(obj, "done.report", {"shards", "frames_per_rank", "duplicates"})
+    if not isinstance(report["shards"], dict):
+        raise c.fail("done.report.shards", "an object: shard name -> frames, bytes, size, checksum", report["shards"])
+    for name, entry in report["shards"].items():
+        f = f"done.report.shards[{name!r}]"
         if not (SHARD_NAME.fullmatch(name) and shard_numbers(name)[0] == writer):
             raise c.fail(f, f"a shard name of writer {writer}, like {shard_name(writer, 0)!r}", name)
         checksums = {"sha256", "crc32"} & set(entry) if isinstance(entry, dict) else set()
@@ -46,14 +46,14 @@ def check_part(obj: Any, src: int, writer: int) -> dict:
             raise c.fail(f"{f}.sha256", "64 lowercase hex digits", entry["sha256"])
         if "crc32" in entry:
             c.int(entry["crc32"], f"{f}.crc32", CRC32_MAX)
-    for i, pair in enumerate(c.list(part["frames_per_rank"], "done.part.frames_per_rank")):
-        rank, frames = c.list(pair, f"done.part.frames_per_rank[{i}]", 2)
-        c.int(rank, f"done.part.frames_per_rank[{i}][0]"), c.int(frames, f"done.part.frames_per_rank[{i}][1]")
-    d = c.obj(part["duplicates"], "done.part.duplicates", {"exact", "inexact", "max_abs_diff"})
-    c.int(d["exact"], "done.part.duplicates.exact"), c.int(d["inexact"], "done.part.duplicates.inexact")
+    for i, pair in enumerate(c.list(report["frames_per_rank"], "done.report.frames_per_rank")):
+        rank, frames = c.list(pair, f"done.report.frames_per_rank[{i}]", 2)
+        c.int(rank, f"done.report.frames_per_rank[{i}][0]"), c.int(frames, f"done.report.frames_per_rank[{i}][1]")
+    d = c.obj(report["duplicates"], "done.report.duplicates", {"exact", "inexact", "max_abs_diff"})
+    c.int(d["exact"], "done.report.duplicates.exact"), c.int(d["inexact"], "done.report.duplicates.inexact")
     if d["max_abs_diff"] != "inf" and (type(d["max_abs_diff"]) not in (int, float) or d["max_abs_diff"] < 0):
-        raise c.fail("done.part.duplicates.max_abs_diff", "a number >= 0 or 'inf'", d["max_abs_diff"])
-    return part
+        raise c.fail("done.report.duplicates.max_abs_diff", "a number >= 0 or 'inf'", d["max_abs_diff"])
+    return report
 
 
 def check_run(obj: Any, src: int) -> tuple[str, int]:
@@ -68,6 +68,6 @@ def check_run(obj: Any, src: int) -> tuple[str, int]:
 
 
 def counts_of(obj: Mapping) -> DuplicateCounts:
-    """`DuplicateCounts` from their JSON (`DuplicateCounts.to_json`), checked by `check_part`."""
+    """`DuplicateCounts` from their JSON (`DuplicateCounts.to_json`), checked by `check_report`."""
     diff = obj["max_abs_diff"]
     return DuplicateCounts(obj["exact"], obj["inexact"], float("inf") if diff == "inf" else float(diff))

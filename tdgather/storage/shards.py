@@ -1,0 +1,176 @@
+"""How gathered frames become shards: which frames a shard holds, and as what tensors.
+
+In a shard, the frames of every filename of one layout ("group" ``g<k>``) are
+stored back to back, filenames in sorted order: ``g<k>:frame_idx`` (int64
+``[N]``), one tensor per leaf named by its path, ``g<k>.depth``, ``g<k>.det.boxes``
+(``[N, ...]``; for a ragged leaf its values, ``[sum N_i, ...]``, with
+``g<k>.det.boxes:offsets``, int64 ``[N+1]``: frame ``i``'s rows are
+``offsets[i] : offsets[i+1]``), and for JSON leaves their UTF-8 JSON lines (uint8)
+with ``:offsets`` (int64 ``[N+1]`` byte offsets); `tdgather.format.names` has the escaping
+rule. This is the one module that decides what tensors a shard holds: on the write side, a new
+shard layout touches this module and the codec (`tdgather.format.codec`) only.
+
+A write's frames go through here in this order (`tdgather.storage.writer.DatasetWriter.write`):
+
+1. `items_of` makes one `Item` per filename, sorted by name: from ``{filename: Frames}``, or
+   from a merge's or `gather`'s groups as views of their columnar buffers (nothing copied per file);
+2. the frames already written are left out (`tdgather.storage.ondisk`, through `take`);
+3. `fill` splits the items into shards: a new shard where the next item would pass the shard's
+   bytes (`frame_bytes`) or the header's limit on its filenames' records;
+4. `shard_tensors` lays out one shard: its groups, its tensor entries (as
+   `tdgather.format.codec.encode` takes them), and each filename's segment.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from ..core.frames import Layout, flatten
+from ..core.ragged import Ragged, joined, offsets_of
+from ..format.limits import SHARD_HEADER_MAX, segment_record_bytes
+from ..format.names import SHARD_VERSION, group_names
+from .catalog import UNKNOWN
+
+__all__ = ["Item", "fill", "frame_bytes", "items_of", "shard_tensors", "take"]
+
+
+class Item(NamedTuple):
+    """One filename's frames in one write: a shard's unit."""
+
+    name: str
+    layout: Layout
+    idx: torch.Tensor
+    tensors: list
+    json: list[list]
+    runs: tuple[int, int] | None  # (lo, hi) when idx is the run lo..hi
+    rank: Any  # the sender of every row (int, UNKNOWN if not known), or one per row (int32 tensor)
+
+
+def items_of(frames: Any, ranks: Mapping[str, set[int]]) -> list[Item]:
+    """One `Item` per filename, sorted by name."""
+    groups = getattr(frames, "groups", None)
+    if groups is None:
+        items = []
+        for name in sorted(frames):
+            f = frames[name]
+            layout, tensors, json_values = flatten(f.frames, f.frame_idx.numel(), f"filename {name!r}")
+            items.append(Item(name, layout, f.frame_idx, tensors, json_values, None, _one_rank(ranks.get(name))))
+        return items
+    items = []
+    for g in groups:  # views of the group's buffers: nothing is copied or rebuilt per file
+        runs, senders = _runs_per_file(g), _senders_per_file(g, ranks)
+        for i, name in enumerate(g.files):
+            lo, hi = g.starts[i], g.starts[i] + g.counts[i]
+            tensors, json_values = [t[lo:hi] for t in g.leaves], [v[lo:hi] for v in g.json]
+            items.append(Item(name, g.layout, g.frame_idx[lo:hi], tensors, json_values, runs[i], senders[i]))
+    return sorted(items, key=lambda item: item.name)
+
+
+def _one_rank(ranks: Any) -> int:
+    return next(iter(ranks)) if ranks is not None and len(ranks) == 1 else UNKNOWN
+
+
+def _runs_per_file(g: Any) -> list[tuple[int, int] | None]:
+    """For each file of a group, ``(lo, hi)`` when its frame_idx (sorted, distinct) are the run lo..hi, else None."""
+    if not g.frame_idx.numel():
+        return [None] * len(g.files)
+    starts, counts = torch.tensor(g.starts, dtype=torch.int64), torch.tensor(g.counts, dtype=torch.int64)
+    lo, hi = g.frame_idx[starts], g.frame_idx[starts + counts - 1]
+    one_run = (hi - lo + 1 == counts) & (counts > 0)
+    return [(a, b) if ok else None for a, b, ok in zip(lo.tolist(), hi.tolist(), one_run.tolist(), strict=True)]
+
+
+def _senders_per_file(g: Any, ranks: Mapping[str, set[int]]) -> list[Any]:
+    """For each file of a group, the rank that sent all its rows, or (several) each row's, as `Item.rank`.
+
+    The ranks given for a filename come first; else the group's ``rank`` of each row, where it has one.
+    """
+    rank = getattr(g, "rank", None)
+    if ranks or rank is None or not rank.numel():
+        return [_one_rank(ranks.get(name)) for name in g.files]
+    counts = torch.tensor(g.counts, dtype=torch.int64)
+    file_of = torch.repeat_interleave(torch.arange(len(g.files)), counts)
+    low = torch.full((len(g.files),), 1 << 30, dtype=torch.int32).scatter_reduce(0, file_of, rank, "amin")
+    high = torch.full((len(g.files),), -1, dtype=torch.int32).scatter_reduce(0, file_of, rank, "amax")
+    return [
+        a if a == b else rank[s : s + n]
+        for a, b, s, n in zip(low.tolist(), high.tolist(), g.starts, g.counts, strict=True)
+    ]
+
+
+def take(item: Item, rows: torch.Tensor) -> Item:
+    """``item`` with only ``rows`` of its frames."""
+    rank = item.rank[rows] if isinstance(item.rank, torch.Tensor) else item.rank
+    json_values = [[values[k] for k in rows.tolist()] for values in item.json]
+    tensors = [t.index_select(0, rows) for t in item.tensors]
+    return Item(item.name, item.layout, item.idx[rows], tensors, json_values, None, rank)
+
+
+def fill(items: list[Item], max_shard_bytes: int) -> list[list[Item]]:
+    """``items`` in shards, in order: a new one once the next item would pass ``max_shard_bytes`` or the header's limit.
+
+    A shard's bytes count its tensors and frame indexes; its header holds its filenames' records (many long
+    filenames: that limit comes first). A shard holds at least one item.
+    """
+    shards: list[list[Item]] = [[]]
+    size = header = 0
+    for item in items:
+        nbytes = frame_bytes(item.layout, item.idx, item.tensors) + 8 * item.idx.numel()
+        record = segment_record_bytes(item.name)  # many long filenames: the header's limit comes first
+        if shards[-1] and (size + nbytes > max_shard_bytes or header + record > SHARD_HEADER_MAX):
+            shards.append([])
+            size = header = 0
+        shards[-1].append(item)
+        size += nbytes
+        header += record
+    return [shard for shard in shards if shard]
+
+
+def shard_tensors(shard: list) -> tuple[dict, list, list]:
+    """Group a shard's filenames by layout; return group descriptions, tensor entries and each one's segment.
+
+    A segment is ``(group, start, frames)``, in the order of ``shard``.
+    """
+    by_layout: dict[Layout, list[int]] = {}  # each layout's items, by their place in the shard
+    for k, item in enumerate(shard):
+        by_layout.setdefault(item[1], []).append(k)
+    groups, entries, segments = {}, [], [None] * len(shard)
+    for g, (layout, places) in enumerate(by_layout.items()):
+        key = f"g{g}"
+        names = group_names(key, layout, int(SHARD_VERSION))
+        groups[key] = layout.to_json()
+        items = [shard[k] for k in places]
+        row = 0
+        for k, item in zip(places, items, strict=True):
+            n = item[2].numel()
+            segments[k] = (key, row, n)
+            row += n
+        entries.append((names.frame_idx, torch.int64, (row,), [x[2] for x in items]))
+        for j, (name, leaf) in enumerate(zip(names.leaves, layout.leaves, strict=True)):
+            column = [x[3][j] for x in items]
+            if leaf.ragged:  # values, then offsets: frame i is rows offsets[i] : offsets[i + 1]
+                spans = [r.span() for r in joined(column)]
+                offsets = offsets_of(torch.cat([n for _, n in spans]))
+                values = [v for v, _ in spans]
+                entries.append((name, leaf.dtype, (int(offsets[-1]), *leaf.shape), values))
+                entries.append((names.offsets(name), torch.int64, (row + 1,), [offsets]))
+            else:
+                entries.append((name, leaf.dtype, (row, *leaf.shape), column))
+        for j, name in enumerate(names.json):
+            lines = [
+                json.dumps(v, ensure_ascii=False, allow_nan=False).encode() + b"\n" for x in items for v in x[4][j]
+            ]
+            offsets = torch.tensor([0, *map(len, lines)], dtype=torch.int64).cumsum(0)
+            blob = torch.frombuffer(bytearray(b"".join(lines)), dtype=torch.uint8)
+            entries.append((name, torch.uint8, (blob.numel(),), [blob]))
+            entries.append((names.offsets(name), torch.int64, (row + 1,), [offsets]))
+    return groups, entries, segments
+
+
+def frame_bytes(layout: Layout, idx: torch.Tensor, tensors: list) -> int:
+    """Tensor bytes of one filename's frames: the fixed leaves', and its ragged leaves' values."""
+    return idx.numel() * layout.frame_nbytes + sum(t.nbytes for t in tensors if isinstance(t, Ragged))
