@@ -10,6 +10,7 @@ directory, ``memory://`` and S3 on a moto server; a new store is one class there
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import zlib
@@ -17,9 +18,12 @@ import zlib
 import pytest
 import torch
 
-from tdgather.errors import DatasetError
+import tdgather
+from tdgather.errors import DatasetError, OutputError
 from tdgather.format.codec import SafetensorsFile, encode
+from tdgather.storage.reader import Dataset
 from tdgather.storage.store import digest
+from tdgather.storage.writer import DatasetWriter
 
 DATA = bytes(range(256)) * 40  # 10,240 bytes
 
@@ -144,6 +148,23 @@ class StoreTests:
         for t in threads:
             t.join(timeout=60)
         assert len(wins) == 1 and store.read("index") == f"run {wins[0]}".encode()
+
+    def test_abort_uploads_never_raises(self, store):
+        assert store.abort_uploads(["0123456789abcdef0123456789abcdef"]) == []  # none was left
+
+    def test_a_dataset_commits_into_it_reads_back_and_is_replaced_only_with_overwrite(self, store):
+        a, b = torch.randn(2, 3), torch.arange(4, dtype=torch.int64)
+        frames = tdgather.gather({"a.mp4": [(0, a[0]), (1, a[1])], "b.mp4": [(0, {"ids": b, "text": "é"})]})
+        sink = functools.partial(DatasetWriter, store=store)
+        tdgather.save(frames, store.where, sink=sink)
+        ds = Dataset(store.where, store=store)
+        assert list(ds) == ["a.mp4", "b.mp4"] and torch.equal(ds["a.mp4"].frames, a)
+        assert torch.equal(ds["b.mp4"].frames[0]["ids"], b) and ds["b.mp4"].frames[0]["text"] == "é"
+        assert ds.verify() == len(ds.index["shards"])
+        with pytest.raises(OutputError, match="overwrite=True"):
+            tdgather.save(frames, store.where, sink=sink)
+        tdgather.save(tdgather.gather({"c.mp4": [(0, a[0])]}), store.where, overwrite=True, sink=sink)
+        assert list(Dataset(store.where, store=store)) == ["c.mp4"]
 
     def test_a_shard_written_by_the_codec_reads_back_through_open(self, store):
         x = torch.arange(60, dtype=torch.float32).reshape(20, 3)

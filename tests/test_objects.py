@@ -254,6 +254,28 @@ def mem() -> str:
     return f"memory://tdgather-test-{uuid.uuid4().hex[:8]}/ds"
 
 
+def test_a_commit_stands_when_removing_what_it_replaced_fails(mem, caplog):
+    """After the index is put, the clean-up is storage only: its failure is logged, the commit returned."""
+    import functools
+
+    from tdgather.storage.objects import ObjectStore
+    from tdgather.storage.writer import DatasetWriter
+
+    class NoRemoves(ObjectStore):
+        def remove(self, name: str) -> None:
+            raise OSError(f"remove {name}: permission denied")
+
+    store = NoRemoves(mem)
+    sink = functools.partial(DatasetWriter, store=store)
+    tdgather.save(tdgather.gather({"a.mp4": [(0, torch.ones(2))]}), mem, sink=sink)
+    new = tdgather.gather({"b.mp4": [(0, torch.zeros(2))]})
+    assert tdgather.save(new, mem, overwrite=True, sink=sink) == mem  # no error: the dataset is committed
+    ds = tdgather.open(mem)
+    assert list(ds) == ["b.mp4"] and ds.verify() == 1
+    assert "committed; removing the objects the index does not list failed (OSError" in caplog.text
+    assert len([n for n in store.list() if SHARD_NAME.fullmatch(n)]) == 2  # the old shard stays, unlisted
+
+
 def test_memory_url_failed_collector_then_resume(mem):
     class Boom(Exception):
         pass

@@ -40,7 +40,7 @@ _DTYPE = {code: dtype for dtype, code in SAFETENSORS_CODE.items()}
 
 
 class ByteSource(Protocol):
-    """The bytes of one file as they were when it was opened (`tdgather.storage.store.Store.open`).
+    """The bytes of one file, read by ranges (`tdgather.storage.store.Store.open`; its snapshot rules are there).
 
     ``where`` names it in messages; ``mapped``: ``read`` returns views of memory the source holds,
     so reading costs no copy and a large range is as cheap as a small one.

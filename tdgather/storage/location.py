@@ -2,18 +2,24 @@
 
 A URL with a scheme other than ``file`` (``s3://``, ``gs://``, ``az://``, ``memory://``, any fsspec
 protocol) is an object store; a ``file://`` URL, a ``str`` or a ``PathLike`` is a local path.
+A store tdgather serves itself is named in `STORES` by its scheme (a new store: one entry there).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .objects import ObjectStore
 from .store import LocalStore, Store
 
-__all__ = ["is_url", "local_path", "store_at"]
+__all__ = ["STORES", "is_url", "local_path", "store_at"]
+
+# URL scheme -> the store for its URLs, made as ``store(url, storage_options)``; a scheme not here goes
+# to fsspec (`ObjectStore`). Each entry must pass tests/store_conformance.py.
+STORES: dict[str, Callable[[str, dict | None], Store]] = {}
 
 
 def is_url(path: Any) -> bool:
@@ -59,7 +65,7 @@ def store_at(path: Any, storage_options: dict | None = None) -> Store:
         ValueError: ``storage_options`` given with a local path.
     """
     if is_url(path):
-        return ObjectStore(path, storage_options)
+        return STORES.get(path.split("://", 1)[0].lower(), ObjectStore)(path, storage_options)
     if storage_options:
         raise ValueError(
             f"storage_options={sorted(storage_options)} is for an object store URL (s3://, gs://, az://, ...); "

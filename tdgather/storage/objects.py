@@ -68,6 +68,13 @@ class ObjectStore:
             raise ImportError(f"writing or reading {self.where!r} needs {package}: {how}") from e
         except TypeError as e:
             raise self._bad_option(e) from e
+        except ValueError as e:
+            if "Protocol not known" not in str(e):
+                raise
+            raise ValueError(
+                f"{self.where!r}: no store serves {self.scheme}:// (fsspec has no such protocol): check the URL, or "
+                f"install the fsspec backend for {self.scheme}://"
+            ) from e
 
     def _bad_option(self, error: TypeError) -> ValueError:
         return ValueError(

@@ -25,6 +25,7 @@ Rules (checked by rank dst before any frame moves):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from ..errors import DatasetError, OutputError
@@ -47,6 +48,8 @@ from .scan import from_index, from_shards, index_runs, loose_shards
 from .store import Store
 
 __all__ = ["PrefixOutput"]
+
+log = logging.getLogger("tdgather")
 
 
 class PrefixOutput:
@@ -203,6 +206,20 @@ class PrefixOutput:
                 "unlisted, until the next commit there). Two jobs wrote one output (a requeue, a restarted pod): "
                 "keep one of them"
             )
+        try:  # committed: what is left is clean-up, and its failure is only storage left behind
+            self._clean(listing, keep)
+        except Exception as e:
+            log.warning(
+                "tdgather: %r: committed; removing the objects the index does not list failed (%s: %s): they stay, "
+                "unread, until the next commit there",
+                self.target,
+                type(e).__name__,
+                e,
+            )
+        return self.target
+
+    def _clean(self, listing: dict[str, int], keep: set[str]) -> None:
+        """After the commit: remove, by name, the objects of this run, of the one it replaced and those left at open."""
         ours = {run[:RUN_TAG] for run in (self.run, self.replaces) if run}
         stale = set(self._stale)
         for name in sorted(listing):  # by name, only tdgather's: never anything it did not write
@@ -213,7 +230,6 @@ class PrefixOutput:
                 if shard_run(name) in ours or name in self._replaced or name in stale:
                     self.store.remove(name)  # this run's, the replaced dataset's, or a failed run's left at open
         self.store.abort_uploads(ours)  # S3: an upload a killed attempt of this run (or the replaced one) left
-        return self.target
 
     def _is_my_mark(self) -> bool:
         mark = self._mark_now()

@@ -70,8 +70,14 @@ class Dataset(Mapping[str, Frames]):
     # (tdgather/__init__.py) sets `tdgather.integrations.hf.to_hf` here; the storage layer imports no integration
     to_hf: Callable[..., Any]
 
-    def __init__(self, path: str | os.PathLike, incomplete: bool = False, storage_options: dict | None = None) -> None:
-        store = store_at(path, storage_options)
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        incomplete: bool = False,
+        storage_options: dict | None = None,
+        store: Store | None = None,
+    ) -> None:
+        store = store or store_at(path, storage_options)  # ``store``: the store itself (a test's, for a URL)
         self.store: Store = store
         self.path: Path | str = Path(store.where) if store.atomic_rename else store.where
         built = None

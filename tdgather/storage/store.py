@@ -16,8 +16,9 @@ A store says what it can do in three flags, which writers and readers choose by:
 `tdgather.storage.local`; else the commit is the index's conditional put: `tdgather.storage.prefix`),
 ``conditional_put`` (`Store.put_if`'s condition is the store's own, atomic against other processes)
 and ``checksum`` (what `Store.put` computes and the index records: ``"crc32"`` or ``"sha256"``).
-tests/store_conformance.py holds the behaviour every store must have: adding a store is one module,
-and one line there. `tdgather.storage.location.store_at(path, storage_options)` picks one.
+tests/store_conformance.py holds the behaviour every store must have. Adding a store is one module,
+an entry in `tdgather.storage.location.STORES` (its URL scheme) and a class in
+tests/test_store_conformance.py; `tdgather.storage.location.store_at(path, storage_options)` picks one.
 """
 
 from __future__ import annotations
@@ -83,7 +84,12 @@ class Store(Protocol):
         """A whole file (an index, a record); `DatasetError` where it is not there."""
 
     def open(self, name: str) -> ByteSource:
-        """A file to read byte ranges of, as it is now; `DatasetError` where it is not there."""
+        """A file to read byte ranges of; `DatasetError` where it is not there.
+
+        Its ``size`` is the file's when opened. A local file's bytes stay those (it is mapped); an
+        object's are read at each read, so one replaced meanwhile reads new bytes or fails: readers
+        check what they read against what the header and the index said.
+        """
 
     def put(self, name: str, chunks: Iterable, then: Callable[[Callable[[], None]], None] | None = None) -> Written:
         """Write a file from its chunks (bytes-like), atomically: the whole file appears, or nothing.
@@ -97,6 +103,13 @@ class Store(Protocol):
 
     def version(self, name: str) -> str | None:
         """A token that changes whenever the file is written again (an ETag, a stat); None where it is absent."""
+
+    def abort_uploads(self, runs: Iterable[str]) -> list[str]:
+        """Drop what uploads of ``runs`` (run ids) left unfinished, after a commit; the names. Most stores: ``[]``.
+
+        A store whose ``put`` can leave stored but invisible bytes behind when its process is killed
+        (an S3 multipart upload) removes them here, best effort: it logs its own errors, never raises.
+        """
 
     def put_if(self, name: str, data: bytes, expected: str | None) -> bool:
         """Write a small file whole only if its `version` is still ``expected`` (None: only if absent).
@@ -113,7 +126,7 @@ def hashed(chunks: Iterable, digest: Any, count: list[int]) -> Iterator:
     for chunk in chunks:
         if digest is not None:
             digest.update(chunk)
-        count[0] += len(chunk)
+        count[0] += memoryview(chunk).nbytes
         yield chunk
 
 
@@ -248,6 +261,10 @@ class LocalStore:
         except FileNotFoundError:
             return None
         return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+
+    def abort_uploads(self, runs: Iterable[str]) -> list[str]:
+        """Nothing: a killed write leaves a temporary file, which the next run in the directory removes."""
+        return []
 
     def put_if(self, name: str, data: bytes, expected: str | None) -> bool:
         """Under an exclusive lock on the directory: check the version, then put (temporary name, rename)."""
