@@ -34,21 +34,18 @@ import tdgather
 from tdgather.tools.launch import run_local_world
 
 STAGES = {  # module: names (a "Class.method" is wrapped on its class)
-    "tdgather.api.gather": [
-        "pack",
-        "send_frames",
+    "tdgather.api.gather": ["begin_call", "post_ready", "ResultMemory.__init__"],
+    "tdgather.api.send": ["pack", "send_frames"],
+    "tdgather.api.receive": [
         "place",
         "read_pieces",
         "read_frames",
         "merge",
-        "begin_call",
-        "_post_ready",
         "joined_chunks",
         "FrameStore.parts",
-        "ResultMemory.__init__",
-        "_Receive._place",
-        "_Receive._land_local",
-        "_Receive._result",
+        "Receive._place",
+        "Receive._land_local",
+        "Receive._result",
         "Landing.finish",
     ],
     "tdgather.api.sending": ["pack", "send_frames"],

@@ -616,16 +616,16 @@ def wire_roundtrip(store: tdgather.FrameStore, rank: int = 0):
 
 def case_slow_placement(world_frames: int, early_bytes: int) -> dict | None:
     """Rank 0 places slowly: pieces come while it places, land early (up to early_bytes), scattered after."""
-    gather_module = sys.modules["tdgather.api.gather"]
+    receive_module = sys.modules["tdgather.api.receive"]  # rank dst's side of gather, which places
     rank, world = dist.get_rank(), dist.get_world_size()
-    place, default_early = gather_module.place, gather_module.Landing.EARLY_BYTES
+    place, default_early = receive_module.place, receive_module.Landing.EARLY_BYTES
 
     def slow_place(parts, *args, **kwargs):
         time.sleep(0.5)
         return place(parts, *args, **kwargs)
 
-    if rank == 0:  # the placement (a public function of core.plan, as gather calls it) made slow
-        gather_module.place, gather_module.Landing.EARLY_BYTES = slow_place, early_bytes
+    if rank == 0:  # the placement (a public function of core.plan, as rank dst's side calls it) made slow
+        receive_module.place, receive_module.Landing.EARLY_BYTES = slow_place, early_bytes
     store = tdgather.FrameStore()
     mine = [p for p in range(world_frames) if p % world == rank] + ([0] if rank == world - 1 else [])  # + a copy
     for start in range(0, len(mine), 64):
@@ -636,7 +636,7 @@ def case_slow_placement(world_frames: int, early_bytes: int) -> dict | None:
     try:
         result = tdgather.gather(store, timeout=60)
     finally:
-        gather_module.place, gather_module.Landing.EARLY_BYTES = place, default_early
+        receive_module.place, receive_module.Landing.EARLY_BYTES = place, default_early
     if rank != 0:
         return None
     for name, f in result.items():

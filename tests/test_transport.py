@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.api.gather import _send
+from tdgather.api.send import send
 from tdgather.comm import transport
 from tdgather.comm.protocol import expect_done, read_frames
 from tdgather.comm.transport import Channel
@@ -67,7 +67,7 @@ def after_ready(kind, header):
 def test_sender_sequence_and_receiver_replay(wire):
     preds = {"a.mp4": [(1, torch.ones(2, 2)), (0, torch.zeros(2, 2))], "b.mp4": (4, torch.full((2, 2), 3.0))}
     wire.inbox[0] = after_ready(Kind.DONE, {"frames": 3})
-    _send(preds, Channel(None, 0, timedelta(seconds=5)))
+    send(preds, Channel(None, 0, timedelta(seconds=5)))
     dsts, tensors = zip(*wire.sent, strict=True)
     assert set(dsts) == {0}
     # 1. data prelude, 2. header, 3. frame index, 4. piece prelude, 5. piece, 6. done prelude, 7. done header
@@ -92,7 +92,7 @@ def test_sender_sequence_and_receiver_replay(wire):
 
 def test_empty_sender_sends_an_empty_data_message_then_done(wire):
     wire.inbox[0] = after_ready(Kind.DONE, {"frames": 0})
-    _send({}, Channel(None, 0, timedelta(seconds=5)))
+    send({}, Channel(None, 0, timedelta(seconds=5)))
     assert [t.tolist()[2] for _, t in wire.sent[::2]] == [Kind.DATA, Kind.DONE]
     assert bytes(wire.sent[1][1].tolist()) == b'{"files":[],"groups":[]}'
 
@@ -100,13 +100,13 @@ def test_empty_sender_sends_an_empty_data_message_then_done(wire):
 def test_sender_raises_when_destination_answers_error(wire):
     wire.inbox[0] = after_ready(Kind.ERROR, {"type": "DuplicateFrameError", "message": "filename 'x' ..."})
     with pytest.raises(PeerError, match="rank 0 failed with DuplicateFrameError: filename 'x'"):
-        _send({"x": (0, torch.ones(1))}, Channel(None, 0, timedelta(seconds=5)))
+        send({"x": (0, torch.ones(1))}, Channel(None, 0, timedelta(seconds=5)))
 
 
 def test_bad_input_sends_error_message(wire):
     wire.inbox[0] = after_ready(Kind.ERROR, {"type": "PeerError", "message": "rank 1 failed"})
     with pytest.raises(tdgather.UnsupportedValueError, match="complex128"):
-        _send({"x": (0, torch.ones(1, dtype=torch.complex128))}, Channel(None, 0, timedelta(seconds=5)))
+        send({"x": (0, torch.ones(1, dtype=torch.complex128))}, Channel(None, 0, timedelta(seconds=5)))
     kinds = [t.tolist()[2] for _, t in wire.sent[::2]]
     assert kinds == [Kind.ERROR]
     assert b"UnsupportedValueError" in bytes(wire.sent[1][1].tolist())
@@ -133,9 +133,9 @@ def test_timeouts():
 
 def test_bad_input_still_raises_when_destination_is_lost(wire):
     with pytest.raises(tdgather.UnsupportedValueError, match="complex128"):
-        _send({"x": (0, torch.ones(1, dtype=torch.complex128))}, Channel(None, 0, timedelta(seconds=5)))
+        send({"x": (0, torch.ones(1, dtype=torch.complex128))}, Channel(None, 0, timedelta(seconds=5)))
 
 
 def test_lost_destination_is_reported(wire):
     with pytest.raises(tdgather.PeerLostError, match="rank 0 failed with PeerLost: its connection failed"):
-        _send({"x": (0, torch.ones(1))}, Channel(None, 0, timedelta(seconds=5)))
+        send({"x": (0, torch.ones(1))}, Channel(None, 0, timedelta(seconds=5)))

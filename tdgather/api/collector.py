@@ -43,7 +43,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..comm.transport import Call, as_timeout, begin_call, resolve_dst, transport_group
+from ..comm.groups import as_timeout, resolve_dst, transport_group
+from ..comm.transport import Call, begin_call
 from ..core.duplicates import DuplicatePolicy
 from ..storage.location import is_url, local_path, store_at
 from ..storage.saved import Saved

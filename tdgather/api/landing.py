@@ -1,6 +1,6 @@
 """Where one peer's pieces land on rank dst during `tdgather.gather`: into place, or staged and scattered.
 
-`tdgather.api.gather` reads each peer's pieces on that peer's thread and hands each one a `Landing`,
+`tdgather.api.receive` reads each peer's pieces on that peer's thread and hands each one a `Landing`,
 and, once it has placed every row, the `Placed` of each of that peer's parts (what was placed,
 where, what landed); the landing answers where the next piece goes (a tensor to receive into) and
 what to do once it has come.
@@ -18,9 +18,9 @@ from ..comm.protocol import as_bytes
 from ..comm.wire import DataHeader
 from ..core.frames import Leaf
 from ..core.part import Part
-from ..core.plan import ValuePlaces
 from ..core.ragged import Ragged, values_of
 from ..core.rows import run_start, scatter_rows
+from ..core.scatter import ValuePlaces
 
 __all__ = ["Landing", "Placed"]
 

@@ -14,10 +14,11 @@ import queue
 import time
 from typing import Any
 
+from ..comm.groups import heartbeat_interval
 from ..comm.pack import pack
 from ..comm.protocol import Joiner, end_stream, send_frames
 from ..comm.shm import ShmWriter, host_token
-from ..comm.transport import Call, heartbeat_interval, peer_error
+from ..comm.transport import Call, peer_error
 from ..comm.wire import HEARTBEAT, Kind
 from ..errors import PeerLostError, StalledError
 from ..format.blocks import check_run

@@ -42,7 +42,7 @@ import torch
 
 from ..core.checks import ProtocolCheck
 from ..core.part import Part
-from ..core.plan import scatter_chunks
+from ..core.scatter import scatter_chunks
 from .shm import host_token
 from .wire import ALIGN  # every buffer starts at a multiple of this
 

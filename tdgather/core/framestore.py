@@ -34,120 +34,31 @@ What the store keeps of a batch given to `FrameStore.add`:
   store holds, and the memory budget counts, only the frames' own bytes (plus, uncounted,
   the unused rest of each layout's open block: under 4 MiB);
 - conjugate and negative views are resolved, so the bits sent are the values seen.
+
+A layout's rows and its open block are `tdgather.core.layoutgroup`; the forms ``add`` and ``update``
+take beyond filenames and frame indexes (``ragged=``, ``update``'s dicts), and the refusals of a
+layout that does not fit, are `tdgather.core.forms`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
-import math
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..errors import ShapeMismatchError, UnsupportedValueError
+from .forms import Bucket, as_pairs, by_filename, declared_fixed, join_frames, mismatch, not_a_pair, ragged_spec
 from .frames import Layout, RaggedSpec, check_ragged_names, flatten
 from .inputs import as_index, check_filenames
+from .layoutgroup import Chunk, LayoutGroup, is_plain_index, unflagged
 from .part import Part
-from .promote import SAME_LAYOUT, ragged_hint, varying
+from .promote import varying
 from .ragged import Ragged
 
 __all__ = ["FrameStore", "as_store"]
-
-_SMALL = 64 << 10  # a copied batch of at most this many bytes goes into its layout's open block
-_BLOCK_MIN = 64 << 10  # a layout's first block; each next one twice as large, up to _BLOCK_MAX
-_BLOCK_MAX = 4 << 20
-_memmove = ctypes.memmove
-
-
-@dataclass
-class _Chunk:
-    file_ids: torch.Tensor  # int64 [B]
-    frame_idx: torch.Tensor  # int64 [B]
-    tensors: list[Any]  # [B, *leaf.shape] on the CPU; a `Ragged` for a ragged leaf
-    json: list[list]  # B values per JSON leaf
-
-
-class _Bucket:
-    """Frames of one layout collected by `FrameStore.update`, before they are joined into a batch.
-
-    ``how`` joins each leaf's frames: ``"stack"`` (one tensor a frame), ``"cat"`` (batches of one:
-    tensors ``[1, ...]`` and `Ragged` columns of one frame), ``"ragged"`` (one tensor ``[N_i, ...]``
-    a frame, of a ragged plain tensor).
-    """
-
-    __slots__ = ("how", "idx", "json", "layout", "leaves", "names")
-
-    def __init__(self, layout: Layout, how: str = "stack") -> None:
-        self.layout, self.how = layout, how
-        self.names: list[str] = []
-        self.idx: list = []
-        self.leaves: list[list] = [[] for _ in layout.leaves]
-        self.json: list[list] = [[] for _ in layout.nontensor]
-
-
-class _Group:
-    """The rows of one layout, in the order added.
-
-    Filenames wait in ``pending`` until `FrameStore._intern` gives them ids. Frame indexes and
-    tensor leaves are chunks of rows (``idx[c]``, and ``chunks[c][j]`` for leaf ``j``), then rows
-    ``start:fill`` of the open block (``block_idx``, ``block``), which small batches are copied into.
-    """
-
-    def __init__(self, layout: Layout) -> None:
-        self.layout = layout
-        self.pending: list[str] = []
-        self.ids: list[torch.Tensor] = []  # file ids of the rows before the pending ones
-        self.files: set[str] = set()  # the filenames of its rows
-        self.json: list[list] = [[] for _ in layout.nontensor]
-        self.idx: list[torch.Tensor] = []
-        self.chunks: list[list[torch.Tensor]] = []
-        self.leaf_bytes = [math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in layout.leaves]
-        self.frame_nbytes = layout.frame_nbytes  # ragged leaves not counted: their values are, per batch
-        # rows of a batch copied into the open block (layouts with a ragged leaf are kept as given)
-        self.small = _SMALL // self.frame_nbytes if self.frame_nbytes and not layout.ragged else 0
-        self.block_idx = torch.empty(0, dtype=torch.int64)
-        self.block: list[torch.Tensor] = []
-        self.idx_addr = 0
-        self.addr: list[int] = []  # of the block's leaves
-        self.start = self.fill = self.cap = 0
-
-    def copy_in(self, idx: torch.Tensor, tensors: tuple | list, n: int) -> None:
-        """Copy a batch of ``n`` rows (all contiguous on the CPU, indexes int64) into the open block."""
-        if self.fill + n > self.cap:
-            self.seal()
-            size = max(_BLOCK_MIN, min(_BLOCK_MAX, 2 * self.cap * (8 + self.frame_nbytes)))
-            self.cap = max(n, size // (8 + self.frame_nbytes))
-            self.block_idx = torch.empty(self.cap, dtype=torch.int64)
-            self.block = [torch.empty((self.cap, *leaf.shape), dtype=leaf.dtype) for leaf in self.layout.leaves]
-            self.idx_addr, self.addr = self.block_idx.data_ptr(), [b.data_ptr() for b in self.block]
-            self.start = self.fill = 0
-        at = self.fill
-        _memmove(self.idx_addr + 8 * at, idx.data_ptr(), 8 * n)
-        for addr, size, t in zip(self.addr, self.leaf_bytes, tensors, strict=True):
-            _memmove(addr + at * size, t.data_ptr(), n * size)
-        self.fill = at + n
-
-    def keep(self, idx: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-        """Add a batch as a chunk of its own."""
-        self.seal()
-        self.idx.append(idx)
-        self.chunks.append(tensors)
-
-    def seal(self) -> None:
-        """End the open block's chunk here (later batches start a new one)."""
-        if self.fill > self.start:
-            self.idx.append(self.block_idx[self.start : self.fill])
-            self.chunks.append([b[self.start : self.fill] for b in self.block])
-            self.start = self.fill
-
-
-def _this_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class FrameStore:
@@ -171,8 +82,8 @@ class FrameStore:
         self.copy = copy
         self.fixed = fixed  # frames declared fixed (ragged=False): a first dim that changes is refused
         self._saved = saved or {}  # a resumed run's layouts: a filename must keep the one it was saved with
-        self._groups: dict[Layout, _Group] = {}
-        self._plain: dict[tuple, _Group] = {}  # plain tensors' groups by (dtype, batch shape)
+        self._groups: dict[Layout, LayoutGroup] = {}
+        self._plain: dict[tuple, LayoutGroup] = {}  # plain tensors' groups by (dtype, batch shape)
         self._ids: dict[str, int] = {}
         self._owner: dict[str, Layout] = {}  # each filename's layout
         self._names: list[str] = []
@@ -215,12 +126,12 @@ class FrameStore:
                 nothing of the batch is kept (in a Collector, a filename sent in an earlier chunk is
                 checked by rank dst).
         """
-        n = frame_idx.shape[0] if _is_plain_index(frame_idx) else 0
+        n = frame_idx.shape[0] if is_plain_index(frame_idx) else 0
         g = None
         if ragged is False:
             self.declare_fixed()
         elif ragged:
-            return self._add_any(filenames, frame_idx, frames, _ragged_spec(ragged))
+            return self._add_any(filenames, frame_idx, frames, ragged_spec(ragged))
         if n and type(frames) is torch.Tensor and frames.is_cpu and not frames.is_nested:
             g = self._plain.get((frames.dtype, frames.shape)) if frames.layout is torch.strided else None
         names = filenames if type(filenames) is list else [filenames] * n if isinstance(filenames, str) else ()
@@ -251,16 +162,16 @@ class FrameStore:
         try:
             batches = [(names, idx, *flatten(frames, count, "add() frames", ragged))]
         except ShapeMismatchError as e:  # a list whose frames differ: each filename's frames a batch of their own
-            batches = _by_filename(names, idx, frames, ragged, e)
+            batches = by_filename(names, idx, frames, ragged, e)
         if not count:
             return
         check_filenames(names)
         for sub, _, layout, _, _ in batches:  # all checked before anything is kept
             if self.fixed and layout.ragged:
-                raise _declared_fixed(sub[0], layout)
+                raise declared_fixed(sub[0], layout)
             self._refuse(layout, sub, self._groups[layout].files if layout in self._groups else set())
         for sub, sub_idx, layout, tensors, json in batches:
-            group = self._groups.get(layout) or _Group(layout)
+            group = self._groups.get(layout) or LayoutGroup(layout)
             self._claim(group, sub)
             self._groups.setdefault(layout, group)
             if type(frames) is torch.Tensor and not layout.ragged:
@@ -272,19 +183,19 @@ class FrameStore:
 
         ``ragged``: the leaves whose first dim changes from frame to frame (as in `add`).
         """
-        fast: dict[tuple, _Bucket] = {}  # plain tensors by (dtype, shape): no Layout hashed per frame
-        other: dict[Layout, _Bucket] = {}
+        fast: dict[tuple, Bucket] = {}  # plain tensors by (dtype, shape): no Layout hashed per frame
+        other: dict[Layout, Bucket] = {}
         if ragged is False:
             self.declare_fixed()
-        spec = _ragged_spec(ragged) if ragged else frozenset()
+        spec = ragged_spec(ragged) if ragged else frozenset()
         plain_ragged = spec is True or "" in spec  # a plain tensor's rows vary: keyed by the shape of a row
         known: set[str] = set()  # the tensor leaves seen: each name in ragged= must be one of them somewhere
         for name, entry in predictions.items():
-            for pair in _pairs(name, entry):
+            for pair in as_pairs(name, entry):
                 try:
                     fi, value = pair
                 except (TypeError, ValueError):
-                    raise _not_a_pair(name, pair) from None
+                    raise not_a_pair(name, pair) from None
                 if (
                     type(value) is torch.Tensor
                     and value.layout is torch.strided
@@ -297,7 +208,7 @@ class FrameStore:
                         where = f"filename {name!r}"
                         layout = flatten([value], 1, where, spec, False)[0] if spec else flatten(value, None, where)[0]
                         known.update(".".join(leaf.path) for leaf in layout.leaves)
-                        bucket = fast[key] = _Bucket(layout, "ragged" if spec else "stack")
+                        bucket = fast[key] = Bucket(layout, "ragged" if spec else "stack")
                     bucket.names.append(name)
                     bucket.idx.append(fi)
                     bucket.leaves[0].append(value)
@@ -308,7 +219,7 @@ class FrameStore:
                         json = [values[0] for values in json]
                     else:
                         layout, tensors, json = flatten(value, None, f"filename {name!r}")
-                    bucket = other.get(layout) or other.setdefault(layout, _Bucket(layout, "cat" if spec else "stack"))
+                    bucket = other.get(layout) or other.setdefault(layout, Bucket(layout, "cat" if spec else "stack"))
                     bucket.names.append(name)
                     bucket.idx.append(fi)
                     for lst, t in zip(bucket.leaves, tensors, strict=True):
@@ -324,16 +235,16 @@ class FrameStore:
             for name in dict.fromkeys(b.names):
                 first = claimed.setdefault(name, self._owner.get(name, b.layout))
                 if not self._fits(first, b.layout):
-                    raise _mismatch(name, first, b.layout)
+                    raise mismatch(name, first, b.layout)
                 if not self._fits(self._saved.get(name, b.layout), b.layout):
-                    raise _mismatch(name, self._saved[name], b.layout, saved=True)
+                    raise mismatch(name, self._saved[name], b.layout, saved=True)
         for b, idx in buckets:  # checked: nothing is half-added
-            tensors = [_join(ts, b.how) for ts in b.leaves]
+            tensors = [join_frames(ts, b.how) for ts in b.leaves]
             group = self._group(b.layout)
             self._claim(group, b.names)
             self._append(group, b.names, idx, tensors, b.json, copy=False)
 
-    def _claim(self, g: _Group, names: list[str]) -> None:
+    def _claim(self, g: LayoutGroup, names: list[str]) -> None:
         """Record that ``names`` have ``g``'s layout; refuse, before anything is added, a name it does not fit.
 
         A name held in another layout that fits (`_fits`) is in both groups: rank dst makes the
@@ -352,11 +263,11 @@ class FrameStore:
         clash = {name for name in held if not self._fits(self._owner[name], layout)}
         if clash:
             name = min(clash, key=names.index)
-            raise _mismatch(name, self._owner[name], layout)
+            raise mismatch(name, self._owner[name], layout)
         clash = {name for name in self._saved.keys() & fresh if not self._fits(self._saved[name], layout)}
         if clash:
             name = min(clash, key=names.index)
-            raise _mismatch(name, self._saved[name], layout, saved=True)
+            raise mismatch(name, self._saved[name], layout, saved=True)
         return fresh
 
     def declare_fixed(self) -> None:
@@ -367,24 +278,26 @@ class FrameStore:
         """
         for layout, g in self._groups.items():
             if layout.ragged and g.files:
-                raise _declared_fixed(min(g.files), layout)
+                raise declared_fixed(min(g.files), layout)
         for layout, g in self._groups.items():
             for name in g.files:
                 if self._owner[name] != layout:
-                    raise _mismatch(name, self._owner[name], layout)
+                    raise mismatch(name, self._owner[name], layout)
         self.fixed = True
 
     def _fits(self, a: Layout, b: Layout) -> bool:
         """Whether frames of layouts ``a`` and ``b`` may share a filename (only first dims differ, unless fixed)."""
         return a == b or (not self.fixed and varying(a, b) is not None)
 
-    def _group(self, layout: Layout) -> _Group:
+    def _group(self, layout: Layout) -> LayoutGroup:
         group = self._groups.get(layout)
         if group is None:
-            group = self._groups[layout] = _Group(layout)
+            group = self._groups[layout] = LayoutGroup(layout)
         return group
 
-    def _append(self, g: _Group, names: list[str], idx: torch.Tensor, tensors: list, json: list, copy: bool) -> None:
+    def _append(
+        self, g: LayoutGroup, names: list[str], idx: torch.Tensor, tensors: list, json: list, copy: bool
+    ) -> None:
         n = idx.shape[0]
         if not n:
             return
@@ -392,8 +305,8 @@ class FrameStore:
         if (
             copy
             and n <= g.small
-            and _is_plain_index(idx)
-            and all(t.is_cpu and t.is_contiguous() and _unflagged(t) for t in tensors)
+            and is_plain_index(idx)
+            and all(t.is_cpu and t.is_contiguous() and unflagged(t) for t in tensors)
         ):
             g.copy_in(idx, tensors, n)
         else:
@@ -478,7 +391,7 @@ class FrameStore:
             parts.append(Part(rank, g.layout, self._names, g.ids[0], idx, json, chunks, lengths))
         return parts
 
-    def groups(self) -> list[tuple[Layout, list[_Chunk]]]:
+    def groups(self) -> list[tuple[Layout, list[Chunk]]]:
         """The chunks of every layout, in the order added (after every device copy has landed)."""
         out = []
         for part, g in zip(self.parts(0), self._groups.values(), strict=True):
@@ -486,14 +399,14 @@ class FrameStore:
             ids = part.file_ids.split(sizes)
             ends = itertools.accumulate(sizes)
             chunks = [
-                _Chunk(ids[c], g.idx[c], tensors, [values[end - n : end] for values in part.json])
+                Chunk(ids[c], g.idx[c], tensors, [values[end - n : end] for values in part.json])
                 for c, (tensors, n, end) in enumerate(zip(g.chunks, sizes, ends, strict=True))
             ]
             out.append((part.layout, chunks))
         return out
 
     @property
-    def _chunks(self) -> dict[Layout, list[_Chunk]]:
+    def _chunks(self) -> dict[Layout, list[Chunk]]:
         """``groups()`` as a dict (for tests that look inside)."""
         return dict(self.groups())
 
@@ -517,111 +430,3 @@ def as_store(predictions: FrameStore | Mapping[str, Any], ragged: Any = ()) -> F
     store = FrameStore()
     store.update(predictions, ragged=ragged)
     return store
-
-
-def _pairs(name: str, entry: Any) -> Iterable[Any]:
-    if isinstance(entry, tuple) and len(entry) == 2 and not isinstance(entry[0], tuple | list):
-        return (entry,)  # one (frame_idx, value) pair; the index is checked with the others
-    if isinstance(entry, list | tuple):
-        return entry  # each item is unpacked (and checked) by the caller
-    raise _not_a_pair(name, entry)
-
-
-def _not_a_pair(name: str, got: Any) -> UnsupportedValueError:
-    return UnsupportedValueError(
-        f"filename {name!r}: expected (frame_idx, value) or a list of (frame_idx, value) pairs, "
-        f"got {type(got).__name__}"
-    )
-
-
-def _is_plain_index(x: Any) -> bool:
-    """Whether ``x`` is frame indexes that may be copied as they are: int64 ``[B]``, contiguous, CPU."""
-    return (
-        type(x) is torch.Tensor
-        and x.is_cpu
-        and x.dtype is torch.int64
-        and x.dim() == 1
-        and x.is_contiguous()
-        and not x.is_neg()
-    )
-
-
-def _unflagged(t: torch.Tensor) -> bool:
-    """Whether ``t``'s bytes are its values: no conjugate or negative bit."""
-    return not (t.is_conj() or t.is_neg())
-
-
-def _by_filename(names: list[str], idx: torch.Tensor, frames: Any, ragged: RaggedSpec, error: Exception) -> list[tuple]:
-    """A list of frames that differ, as one batch per filename: ``(names, frame_idx, layout, tensors, json)``.
-
-    Frames of different filenames may differ; frames of one filename that do not fit raise ``error``,
-    naming the filename and frame_idx.
-    """
-    k = getattr(error, "frame", None)
-    if k is None or not isinstance(frames, list | tuple):
-        raise error
-    positions: dict[str, list[int]] = {}
-    for i, name in enumerate(names):
-        positions.setdefault(name, []).append(i)
-    if len(positions) == 1:
-        raise ShapeMismatchError(f"filename {names[k]!r}, frame_idx {int(idx[k])}: {error}") from None
-    out = []
-    for name, pos in positions.items():
-        try:
-            out.append(
-                ([name] * len(pos), idx[pos], *flatten([frames[i] for i in pos], len(pos), "add() frames", ragged))
-            )
-        except ShapeMismatchError as e:
-            j = getattr(e, "frame", None)
-            if j is None:
-                raise
-            raise ShapeMismatchError(f"filename {name!r}, frame_idx {int(idx[pos[j]])}: {e}") from None
-    return out
-
-
-def _declared_fixed(name: str, layout: Layout) -> ShapeMismatchError:
-    leaves = [".".join(x.path) or "<tensor>" for x in layout.leaves if x.ragged]
-    return ShapeMismatchError(
-        f"filename {name!r} on rank {_this_rank()}: every leaf is declared fixed (ragged=False), but {leaves} "
-        f"vary in their first dim ({layout.describe()}); drop ragged=False to store them as ragged leaves"
-    )
-
-
-def _mismatch(name: str, first: Layout, second: Layout, saved: bool = False) -> ShapeMismatchError:
-    rank = _this_rank()
-    if saved:
-        return ShapeMismatchError(
-            f"filename {name!r} on rank {rank}: the run being resumed saved its frames with {first.describe()}, "
-            f"these have {second.describe()}; a resumed run must give each filename the layout it was saved "
-            "with (the same model and outputs), or start over with resume=False, overwrite=True"
-            f"{ragged_hint(first, second)}"
-        )
-    return ShapeMismatchError(
-        f"filename {name!r}: frames on rank {rank} have {first.describe()} and {second.describe()} "
-        f"(ranks [{rank}]); {SAME_LAYOUT}"
-        f"{ragged_hint(first, second)}"
-    )
-
-
-def _ragged_spec(ragged: bool | str | Iterable[str]) -> RaggedSpec:
-    """``add(ragged=...)`` as `flatten` takes it: True, or the dotted keys."""
-    if ragged is True:
-        return True
-    names = (ragged,) if isinstance(ragged, str) else tuple(ragged) if isinstance(ragged, Iterable) else (ragged,)
-    if not all(isinstance(x, str) for x in names):
-        raise TypeError(f"add(): expected ragged=True or dotted keys (str), got {ragged!r:.80}")
-    return frozenset(names)
-
-
-def _join(tensors: list, how: str) -> Any:
-    """Frames as one batch, as `_Bucket` ``how`` says."""
-    if tensors and isinstance(tensors[0], Ragged):
-        try:
-            return Ragged.cat(tensors)  # on CUDA: the values joined there, then one copy to the host
-        except RuntimeError:  # frames on several devices: their rows to the host first
-            return Ragged.cat([Ragged.from_lengths(v.cpu(), n) for v, n in (r.span() for r in tensors)])
-    join = {"stack": torch.stack, "cat": torch.cat, "ragged": Ragged.from_list}[how]
-    try:
-        return join(tensors)  # on CUDA: one stack there, then one copy to the host
-    except RuntimeError:  # frames on several devices
-        return join([t.cpu() for t in tensors])

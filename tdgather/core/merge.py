@@ -23,8 +23,9 @@ import torch
 from .duplicates import DuplicateCounts
 from .frames import Frames
 from .part import Part
-from .plan import Group, Mismatches, Placement, keep_first_layouts, place, scatter_chunks
+from .plan import Group, Mismatches, Placement, keep_first_layouts, place
 from .ragged import Ragged
+from .scatter import scatter_chunks
 
 __all__ = ["REF_RUN_BYTES", "Merged", "Rows", "as_parts", "cut_groups", "group_bytes", "merge"]
 

@@ -1,5 +1,6 @@
 """Layer 3a, storage.
 
-The output directory's rules, atomic writes, the sink that writes a dataset, recovery from the
-shards' own records, and the reader. Uses `tdgather.format` and `tdgather.core`; never `tdgather.comm`.
+Stores (bytes only: `store`, `objects`), how a run is committed (`output`, `local`, `prefix`), the
+sink that writes a dataset (`writer`), what a run saved and resuming it (`runstate`, `saved`, `scan`,
+`resume`), and the reader. Uses `tdgather.format` and `tdgather.core`; never `tdgather.comm`.
 """

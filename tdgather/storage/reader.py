@@ -1,8 +1,9 @@
 """Stage 6, the reader: a lazy ``Mapping[str, Frames]`` over a saved dataset.
 
-Reading one filename opens its shard(s) with ``safetensors.safe_open`` and
-slices only that filename's rows; segments written at different times are
-merged by ``frame_idx``. Nothing on disk is trusted (`tdgather.format.check`):
+Reading one filename opens its shard(s) (`tdgather.format.codec.SafetensorsFile` over the
+store's bytes: a mapped file, or byte ranges of an object) and slices only that filename's
+rows; segments written at different times are merged by ``frame_idx``. Nothing on disk is
+trusted (`tdgather.format.check`):
 the index is checked whole at open, a shard's header each time the shard is
 opened, JSON offsets and lines as they are read; anything malformed raises
 `DatasetError`, and no path outside the dataset directory is ever opened.
