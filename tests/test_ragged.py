@@ -140,6 +140,11 @@ def test_padded_refuses_a_value_the_dtype_cannot_hold_and_what_is_not_ragged():
         padded(Ragged.from_lengths(torch.ones(2, dtype=torch.bool), torch.tensor([2])), 2)
     with pytest.raises(TypeError, match="got list; a list of tensors pads with torch.nn.utils.rnn.pad_sequence"):
         padded([torch.ones(2), torch.ones(3)])
+    with pytest.raises(TypeError, match=r"or a tensor \[T, N, \.\.\.\], got a tensor of shape \[3\]"):
+        padded(torch.ones(3))  # one value per frame: nothing to pad
+    fixed = torch.arange(24.0).reshape(2, 3, 4)  # every frame had 3 rows: returned as it is
+    p, n = padded(fixed, value=-1)
+    assert p is fixed and n.tolist() == [3, 3]
     with pytest.raises(TypeError, match="expected ragged=True or dotted keys"):
         tdgather.FrameStore().add(["v"], [0], torch.ones(1, 3), ragged=1)
 

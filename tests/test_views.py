@@ -230,13 +230,21 @@ def test_to_hf_other_dtypes_and_json_types(tmp_path):
     assert type(hf.with_format(None)["mixed"][1]) is float
 
 
-def test_to_hf_refuses_columns_that_disagree(tmp_path):
+def test_to_hf_gives_columns_that_disagree_one_type_both_fit_in(tmp_path):
+    """to_hf never refuses a dataset tdgather wrote: a leaf that differs between filenames gets a wider column."""
     pytest.importorskip("datasets")
-    frames = {"a": (0, {"x": torch.zeros(2)}), "b": (0, {"x": torch.zeros(3)})}
-    ds = tdgather.open(tdgather.save(tdgather.gather(frames), tmp_path / "ds"))
-    with pytest.raises(ExportError, match=r"column 'x' is float32\[2\] in 'a' but float32\[3\] in 'b'"):
-        ds.to_hf()
-    assert len(ds.to_hf(filenames=["b"])) == 1
+
+    def export(frames, name):
+        return tdgather.open(tdgather.save(tdgather.gather(frames), tmp_path / name)).to_hf()
+
+    ragged = export({"a": (0, {"x": torch.zeros(2)}), "b": (0, {"x": torch.ones(3)})}, "ragged")
+    assert [r["x"] for r in ragged] == [[0, 0], [1, 1, 1]]  # one frame each: x is ragged
+    dims = export({"a": (0, {"x": torch.zeros(2, 2)}), "b": (0, {"x": torch.ones(2, 3)})}, "dims")
+    assert [r["x"] for r in dims] == [[[0, 0], [0, 0]], [[1, 1, 1], [1, 1, 1]]]  # a dim that varies
+    wider = export({"a": (0, {"x": torch.full((2,), 0.5, dtype=torch.float16)}), "b": (0, {"x": torch.ones(2)})}, "f")
+    assert wider.features["x"].feature.dtype == "float32" and [r["x"] for r in wider] == [[0.5, 0.5], [1, 1]]
+    kinds = export({"a": (0, {"x": torch.arange(4).reshape(2, 2)}), "b": (0, {"x": "text"})}, "kinds")
+    assert [r["x"] for r in kinds] == [[[0, 1], [2, 3]], "text"]  # a tensor here, JSON there: JSON values
     clash = {"a": (0, {"frame_idx": torch.zeros(2)})}
     with pytest.raises(ExportError, match="collide"):
         tdgather.open(tdgather.save(tdgather.gather(clash), tmp_path / "clash")).to_hf()

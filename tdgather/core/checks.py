@@ -113,7 +113,8 @@ class ProtocolCheck(FieldCheck):
 
 def decode_layout(obj: Any, c: FieldCheck, field: str) -> Layout:
     """A layout description (``Layout.to_json``), every field checked before the `Layout` is made."""
-    c.obj(obj, field, {"kind", "cls", "leaves", "json"})
+    keys = {"kind", "cls", "leaves", "json"}
+    c.obj(obj, field, keys | {"batch_dims"} if isinstance(obj, dict) and "batch_dims" in obj else keys)
     if obj["kind"] not in ("tensor", "tree"):
         raise c.fail(f"{field}.kind", "'tensor' or 'tree'", obj["kind"])
     if obj["cls"] is not None:
@@ -128,6 +129,8 @@ def decode_layout(obj: Any, c: FieldCheck, field: str) -> Layout:
         c.dtype(x["dtype"], f"{f}.dtype"), c.shape(x["shape"], f"{f}.shape")
     for p in c.list(obj["json"], f"{field}.json"):
         [c.str(k, f"{field}.json") for k in c.list(p, f"{field}.json")]
+    if "batch_dims" in obj:
+        _check_batch_dims(obj, c, field)
     layout = Layout.from_json(obj)
     if layout.kind == "tensor" and (len(layout.leaves) != 1 or layout.leaves[0].path or layout.nontensor):
         raise c.fail(field, "one tensor leaf at the root for kind 'tensor'", obj)
@@ -137,3 +140,18 @@ def decode_layout(obj: Any, c: FieldCheck, field: str) -> Layout:
             if not b or (a is not None and b[: len(a)] == a):
                 raise c.fail(f"{field}.leaves", "distinct non-empty paths, none inside another", [a, b])
     return layout
+
+
+def _check_batch_dims(obj: dict, c: FieldCheck, field: str) -> None:
+    """A tree's per-frame batch dims: non-empty, and what every tensor leaf's shape (none ragged) starts with."""
+    f = f"{field}.batch_dims"
+    dims = c.shape(obj["batch_dims"], f)
+    if not dims:
+        raise c.fail(f, "a non-empty list of dims (or no such key)", obj["batch_dims"])
+    if obj["kind"] != "tree":
+        raise c.fail(f, "no such key for kind 'tensor'", obj["batch_dims"])
+    for i, x in enumerate(obj["leaves"]):  # each already checked
+        if "ragged" in x:
+            raise c.fail(f"{field}.leaves[{i}].ragged", "no such key with batch_dims (a ragged leaf has none)", True)
+        if tuple(x["shape"][: len(dims)]) != dims:
+            raise c.fail(f"{field}.leaves[{i}].shape", f"a shape that starts with batch_dims {list(dims)}", x["shape"])

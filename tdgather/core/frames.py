@@ -3,15 +3,21 @@
 A frame's value is a tensor, a nested dict / TensorDict / tensorclass of
 tensors, or such a tree with plain JSON values (str, int, float, bool, None)
 among its leaves. `flatten` turns a value into a `Layout` (the structure,
-dtypes and per-frame shapes) plus its tensor and JSON leaves; `rebuild` turns
-leaves back into a tensor, a TensorDict or the user's tensorclass.
+dtypes, per-frame shapes, and the per-frame batch dims of a TensorDict whose
+batch size has dims past the frames', ``[B, 3]``) plus its tensor and JSON
+leaves; `rebuild` turns leaves back into a tensor, a TensorDict or the user's
+tensorclass (a TensorDict, with a warning, when that class is not defined here
+as it was).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import operator
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +59,9 @@ class Frames:
 
     Attributes:
         frame_idx: LongTensor ``[T]``, strictly increasing.
-        frames: ``Tensor[T, ...]``, or a TensorDict / tensorclass with batch size ``[T]``. A ragged
-            leaf (its first dim differs per frame) is a jagged nested tensor ``[T, j, ...]``.
+        frames: ``Tensor[T, ...]``, or a TensorDict / tensorclass with batch size ``[T]`` (``[T, 3]``
+            where each frame was given with batch dims ``[3]``). A ragged leaf (its first dim
+            differs per frame) is a jagged nested tensor ``[T, j, ...]``.
     """
 
     frame_idx: torch.Tensor
@@ -118,12 +125,21 @@ class Layout:
         cls: ``"module:qualname"`` of a tensorclass, else None.
         leaves: the tensor leaves, sorted by path.
         nontensor: the paths of JSON leaves, sorted.
+        batch_dims: a TensorDict's or tensorclass's batch dims in one frame (``(3,)`` for a batch
+            of batch size ``[B, 3]``), which every leaf's shape starts with; ``()`` for a plain
+            dict, and for a tree with a ragged leaf (whose rows change per frame: the dims are
+            dropped, here, wherever a leaf is made ragged).
     """
 
     kind: str
     cls: str | None
     leaves: tuple[Leaf, ...]
     nontensor: tuple[Path, ...] = ()
+    batch_dims: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.batch_dims and self.ragged:  # e.g. `tdgather.core.promote.promote` made a leaf ragged
+            object.__setattr__(self, "batch_dims", ())
 
     def describe(self) -> str:
         """Return a short human description, as used in error messages.
@@ -132,6 +148,8 @@ class Layout:
         'float32[3, 4]'
         >>> Layout("tree", None, (Leaf(("boxes",), torch.float32, (4,), ragged=True),)).describe()
         '{boxes: float32[*, 4]}'
+        >>> Layout("tree", None, (Leaf(("logits",), torch.float32, (3, 10)),), batch_dims=(3,)).describe()
+        '{logits: float32[3, 10]} with batch dims [3]'
         """
         if self.kind == "tensor":
             leaf = self.leaves[0]
@@ -139,10 +157,14 @@ class Layout:
         parts = [f"{'.'.join(leaf.path)}: {dtype_name(leaf.dtype)}{leaf.dims()}" for leaf in self.leaves]
         parts += [f"{'.'.join(p)}: json" for p in self.nontensor]
         name = self.cls.rsplit(":", 1)[-1] if self.cls else ""
-        return f"{name}{{{', '.join(parts)}}}"
+        dims = f" with batch dims {list(self.batch_dims)}" if self.batch_dims else ""
+        return f"{name}{{{', '.join(parts)}}}{dims}"
 
     def to_json(self) -> dict:
-        """The JSON form used in wire headers, shard metadata and the index."""
+        """The JSON form used in wire headers, shard metadata and the index.
+
+        ``batch_dims`` is there only when it has dims: a layout without is written as before it existed.
+        """
         return {
             "kind": self.kind,
             "cls": self.cls,
@@ -152,7 +174,7 @@ class Layout:
                 for x in self.leaves
             ],
             "json": [list(p) for p in self.nontensor],
-        }
+        } | ({"batch_dims": list(self.batch_dims)} if self.batch_dims else {})
 
     @staticmethod
     def from_json(obj: dict) -> Layout:
@@ -161,12 +183,16 @@ class Layout:
         >>> lay = Layout("tensor", None, (Leaf((), torch.bool, (2,)),))
         >>> Layout.from_json(lay.to_json()) == lay
         True
+        >>> crops = Layout("tree", None, (Leaf(("x",), torch.float32, (3, 4)),), batch_dims=(3,))
+        >>> crops.to_json()["batch_dims"], Layout.from_json(crops.to_json()) == crops
+        ([3], True)
         """
         leaves = tuple(
             Leaf(tuple(x["path"]), dtype_from_name(x["dtype"]), tuple(x["shape"]), bool(x.get("ragged")))
             for x in obj["leaves"]
         )
-        return Layout(obj["kind"], obj["cls"], leaves, tuple(tuple(p) for p in obj["json"]))
+        nontensor = tuple(tuple(p) for p in obj["json"])
+        return Layout(obj["kind"], obj["cls"], leaves, nontensor, tuple(obj.get("batch_dims", ())))
 
     @property
     def frame_nbytes(self) -> int:
@@ -280,8 +306,11 @@ def _flatten(value: Any, batch: int | None, where: str, ragged: RaggedSpec) -> t
             f"{', or a list of frames' if batch is not None else ''}, got {type(value).__name__}"
             f"{_wrap_hint(value, batch)}"
         )
+    dims: tuple[int, ...] = ()  # a frame's own batch dims: a batch's past the first ([B, 3] -> (3,))
+    if isinstance(value, TensorDictBase):
+        dims = tuple(value.batch_size[1:] if batch is not None else value.batch_size)
     found: list[tuple[Path, Any, bool]] = []
-    _walk(value, (), batch, where, found)
+    _walk(value, (), batch, where, found, dims)
     leaves, tensors, json_paths, json_values = [], [], [], []
     for path, v, is_tensor in found:
         if is_tensor:
@@ -291,7 +320,7 @@ def _flatten(value: Any, batch: int | None, where: str, ragged: RaggedSpec) -> t
         else:
             json_paths.append(path)
             json_values.append(v)
-    return Layout("tree", cls, tuple(leaves), tuple(json_paths)), tensors, json_values
+    return Layout("tree", cls, tuple(leaves), tuple(json_paths), dims), tensors, json_values
 
 
 def _wrap_hint(value: Any, batch: int | None) -> str:
@@ -349,14 +378,17 @@ def _flatten_list(items: list | tuple, batch: int, where: str, ragged: RaggedSpe
         rows = tuple((x.path, x.dtype, len(x.shape), x.shape[1:]) for x in lay.leaves)
         return lay.kind, lay.cls, rows, lay.nontensor
 
+    def refuse(k: int) -> ShapeMismatchError:
+        error = ShapeMismatchError(
+            f"{where}: frame {k} of the list has {per[k][0].describe()} but frame 0 has {first.describe()}; the frames "
+            "of a filename must share their structure, dtypes and batch dims (only a leaf's first dim may differ)"
+        )
+        error.frame = k  # type: ignore[attr-defined]  # which frame: a caller names its filename
+        return error
+
     for k, (lay, _, _) in enumerate(per):
         if skeleton(lay) != skeleton(first):
-            error = ShapeMismatchError(
-                f"{where}: frame {k} of the list has {lay.describe()} but frame 0 has {first.describe()}; the frames "
-                "of a filename must share their structure and dtypes (only the first dim of a leaf may differ)"
-            )
-            error.frame = k  # type: ignore[attr-defined]  # which frame: a caller names its filename
-            raise error
+            raise refuse(k)
     leaves, tensors = [], []
     for j, leaf in enumerate(first.leaves):
         ts = [p[1][j] for p in per]
@@ -369,7 +401,12 @@ def _flatten_list(items: list | tuple, batch: int, where: str, ragged: RaggedSpe
             leaves.append(leaf)
             tensors.append(torch.stack([t.detach() for t in ts]))
     json = [[p[2][j] for p in per] for j in range(len(first.nontensor))]
-    return Layout(first.kind, first.cls, tuple(leaves), first.nontensor), tensors, json
+    layout = Layout(first.kind, first.cls, tuple(leaves), first.nontensor, first.batch_dims)
+    if layout.batch_dims:  # kept only where every frame has them (a ragged leaf has dropped them)
+        for k, (lay, _, _) in enumerate(per):
+            if lay.batch_dims != first.batch_dims:
+                raise refuse(k)
+    return layout, tensors, json
 
 
 def _frame_shape(t: torch.Tensor, batch: int | None, where: str) -> tuple[int, ...]:
@@ -380,7 +417,7 @@ def _frame_shape(t: torch.Tensor, batch: int | None, where: str) -> tuple[int, .
     return tuple(t.shape[1:])
 
 
-def _walk(node: Any, path: Path, batch: int | None, where: str, out: list) -> None:
+def _walk(node: Any, path: Path, batch: int | None, where: str, out: list, dims: tuple[int, ...] = ()) -> None:
     keys = list(node.keys())
     for key in sorted(keys) if isinstance(node, Mapping) else sorted(keys, key=str):
         if not isinstance(key, str):
@@ -389,11 +426,11 @@ def _walk(node: Any, path: Path, batch: int | None, where: str, out: list) -> No
         label = f"{where} key {'.'.join(sub)!r}"
         v = node.get(key) if isinstance(node, TensorDictBase) else node[key]
         if isinstance(node, TensorDictBase) and is_non_tensor(v):
-            v = v.tolist() if batch is not None else v.data
+            v = _non_tensor(v, batch, dims, label)
         if isinstance(v, torch.Tensor | Ragged):
             out.append((sub, v, True))
         elif isinstance(v, Mapping | TensorDictBase) or is_tensorclass(v):
-            _walk(v._tensordict if is_tensorclass(v) else v, sub, batch, where, out)
+            _walk(v._tensordict if is_tensorclass(v) else v, sub, batch, where, out, dims)
         else:
             values = v if batch is not None else [v]
             if batch is not None and (not isinstance(v, list | tuple) or len(v) != batch):
@@ -403,15 +440,55 @@ def _walk(node: Any, path: Path, batch: int | None, where: str, out: list) -> No
             out.append((sub, list(v) if batch is not None else v, False))
 
 
+def _non_tensor(v: Any, batch: int | None, dims: tuple[int, ...], label: str) -> Any:
+    """A TensorDict's non-tensor entry as JSON leaves take it: one value a frame (a list of them for a batch).
+
+    Over a frame's own batch dims (``dims``) the value must be one, as a `NonTensorData` holds it.
+    """
+    if not dims:
+        return v.tolist() if batch is not None else v.data
+    if batch is None:
+        return v.data if isinstance(v, NonTensorData) else _one_value(v.tolist(), len(dims), dims, label)
+    return [_one_value(item, len(dims), dims, label) for item in v.tolist()]
+
+
+def _one_value(nested: Any, depth: int, dims: tuple[int, ...], label: str) -> Any:
+    """The one value a frame's nested list (``depth`` levels of batch dims) holds everywhere."""
+    values = [nested]
+    for _ in range(depth):
+        values = [x for item in values for x in (item if isinstance(item, list) else [item])]
+    first = values[0] if values else None
+    for x in values:
+        if type(x) is not type(first) or x != first:
+            raise UnsupportedValueError(
+                f"{label}: a JSON leaf holds one value per frame, the same over the frame's batch dims "
+                f"{list(dims)}; got {first!r:.40} and {x!r:.40} in one frame. Make it a tensor, or give one "
+                "value per frame (a NonTensorData)"
+            )
+    return first
+
+
 def rebuild(layout: Layout, count: int, tensors: list[Any], json: list[list]) -> Any:
     """Turn leaves of ``count`` frames back into a tensor, TensorDict or tensorclass.
 
-    A ragged leaf (a `Ragged`) becomes a jagged nested tensor, a view of its values.
-    A tensorclass comes back as its class when that class is already imported in
-    this process; tdgather never imports a module named by a peer.
+    A ragged leaf (a `Ragged`) becomes a jagged nested tensor, a view of its values. A tree's
+    batch size is ``[count, *layout.batch_dims]``. A tensorclass comes back as its class when
+    that class is already imported in this process and has a field for each of the frame's
+    top-level keys; else as a TensorDict, with a warning naming the class and why (tdgather
+    never imports a module named by a peer or a file).
     """
     tensors = [t.to_nested() if isinstance(t, Ragged) else t for t in tensors]
-    return _assemble(layout, [count], tensors, [NonTensorStack.from_list(list(values)) for values in json])
+    dims = list(layout.batch_dims)
+    if dims and json:  # a frame's value, the same over its batch dims
+        stacks = [
+            NonTensorStack(*(NonTensorData(v, batch_size=dims) for v in values))
+            if count
+            else NonTensorData(None, batch_size=[0, *dims])
+            for values in json
+        ]
+    else:
+        stacks = [NonTensorStack.from_list(list(values)) for values in json]
+    return _assemble(layout, [count], tensors, stacks)
 
 
 def rebuild_one(layout: Layout, tensors: list[Any], json: list[list]) -> Any:
@@ -420,27 +497,67 @@ def rebuild_one(layout: Layout, tensors: list[Any], json: list[list]) -> Any:
     A ragged leaf gives the frame's rows ``[N_i, ...]`` (no nested tensor is made for one frame).
     """
     tensors = [t.span()[0] if isinstance(t, Ragged) else t[0] for t in tensors]
-    return _assemble(layout, [], tensors, [NonTensorData(values[0]) for values in json])
+    dims = list(layout.batch_dims)
+    return _assemble(layout, [], tensors, [NonTensorData(values[0], batch_size=dims) for values in json])
 
 
 def _assemble(layout: Layout, batch_size: list[int], tensors: list[Any], json: list[Any]) -> Any:
     """The value of ``layout`` from its leaves, ready made: a tensor, or a TensorDict / tensorclass."""
     if layout.kind == "tensor":
         return tensors[0]
-    td = TensorDict({}, batch_size=batch_size)
+    td = TensorDict({}, batch_size=[*batch_size, *layout.batch_dims])
     for leaf, t in zip(layout.leaves, tensors, strict=True):
         td.set(leaf.path, t)
     for path, value in zip(layout.nontensor, json, strict=True):
         td.set(path, value)
-    cls = _loaded_tensorclass(layout.cls)
-    return cls._from_tensordict(td) if cls is not None else td
+    if layout.cls is None:
+        return td
+    keys = frozenset(p[0] for p in (*(leaf.path for leaf in layout.leaves), *layout.nontensor))
+    cls, why = tensorclass_of(layout.cls, keys)
+    if cls is not None:
+        try:
+            return cls._from_tensordict(td)
+        except Exception as e:  # the user's class: whatever it refuses, the frames stay readable
+            why = f"it refused the frames ({type(e).__name__}: {e})"
+    warnings.warn(
+        f"tensorclass {layout.cls!r}: {why}; its frames are a TensorDict of its fields instead "
+        "(tdgather.open(path, tensorclass=False) reads every tensorclass as a TensorDict, without this warning)",
+        UserWarning,
+        stacklevel=2,
+    )
+    return td
 
 
-def _loaded_tensorclass(name: str | None) -> type | None:
-    if not name or ":" not in name:
-        return None
-    module_name, qualname = name.split(":", 1)
+def tensorclass_of(name: str, keys: frozenset[str]) -> tuple[type | None, str]:
+    """The tensorclass ``name`` (``"module:qualname"``) as this process defines it, if it can hold ``keys``.
+
+    Only a module this process already imported is looked in (tdgather never imports one that a
+    peer or a file names). Returns ``(cls, "")``, or ``(None, why)``: the module is not imported,
+    it has no such tensorclass, or the class has no field for some of ``keys`` (a field renamed or
+    removed since the frames were written; a field added comes back None, as a tensorclass has it).
+
+    >>> tensorclass_of("tdgather.core.frames:Frames", frozenset({"frames", "frame_idx"}))
+    (<class 'tdgather.core.frames.Frames'>, '')
+    >>> tensorclass_of("tdgather.core.frames:Frames", frozenset({"frames", "idx"}))[1]
+    "it has no field ['idx'] (its fields here: ['frame_idx', 'frames']): the class changed since the frames were made"
+    """
+    module_name, _, qualname = name.partition(":")
     obj: Any = sys.modules.get(module_name)  # only modules this process already imported
+    if obj is None:
+        return None, f"its module {module_name!r} is not imported in this process"
     for attr in qualname.split("."):
         obj = getattr(obj, attr, None) if obj is not None else None
-    return obj if isinstance(obj, type) and is_tensorclass(obj) else None
+    if not (isinstance(obj, type) and is_tensorclass(obj)):
+        return None, f"module {module_name!r} has no tensorclass {qualname!r} in this process"
+    why = _fields_missing(obj, keys)
+    return (None, why) if why else (obj, "")
+
+
+@functools.lru_cache(maxsize=256)
+def _fields_missing(cls: type, keys: frozenset[str]) -> str:
+    """Why ``cls`` cannot hold ``keys`` (a key that is none of its fields), or ""."""
+    fields = sorted(f.name for f in dataclasses.fields(cls))
+    extra = sorted(keys.difference(fields))
+    if not extra:
+        return ""
+    return f"it has no field {extra} (its fields here: {fields}): the class changed since the frames were made"

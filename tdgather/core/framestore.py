@@ -55,7 +55,7 @@ from .frames import Layout, RaggedSpec, check_ragged_names, flatten
 from .inputs import as_index, check_filenames
 from .layoutgroup import Chunk, LayoutGroup, is_plain_index, unflagged
 from .part import Part
-from .promote import varying
+from .promote import promote, varying
 from .ragged import Ragged
 
 __all__ = ["FrameStore", "as_store"]
@@ -286,8 +286,14 @@ class FrameStore:
         self.fixed = True
 
     def _fits(self, a: Layout, b: Layout) -> bool:
-        """Whether frames of layouts ``a`` and ``b`` may share a filename (only first dims differ, unless fixed)."""
-        return a == b or (not self.fixed and varying(a, b) is not None)
+        """Whether frames of layouts ``a`` and ``b`` may share a filename (only first dims differ, unless fixed).
+
+        They must then promote to one layout: trees that differ only in their batch dims do not.
+        """
+        if a == b:
+            return True
+        names = None if self.fixed else varying(a, b)
+        return names is not None and promote(a, names) == promote(b, names)
 
     def _group(self, layout: Layout) -> LayoutGroup:
         group = self._groups.get(layout)

@@ -5,15 +5,17 @@ whether a leaf is ragged (`varying`): those leaves are then made ragged in both 
 the frames are one layout again. This holds wherever the two meet: in one rank's store, at rank
 dst across ranks (`unify`, before placing), against frames written earlier, and on read.
 
-A leaf name has one type across a dataset: once a leaf is ragged in any filename, a reader makes
-it ragged in every layout that has it. A fixed column converts to a ragged one without a copy
-(`promote_columns`, `promote_part`): its values are the same bytes, and each frame's row count is
-its first dim. A dim other than the first, a dtype or the set of keys never fits.
+A leaf name has one type across a dataset, decided by every frame of it (`ragged_names`): a leaf
+ragged anywhere, or whose first dim differs between any two frames (of one filename or of two),
+is ragged in every layout that has it. A fixed column
+converts to a ragged one without a copy (`promote_columns`, `promote_part`): its values are the
+same bytes, and each frame's row count is its first dim. A dim other than the first, a dtype or
+the set of keys never fits.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +33,7 @@ __all__ = [
     "promote_columns",
     "promote_part",
     "ragged_hint",
+    "ragged_names",
     "unify",
     "varying",
 ]
@@ -75,6 +78,31 @@ def varying(a: Layout, b: Layout) -> frozenset[str] | None:
                 return None
             out.add(dotted(x))
     return frozenset(out)
+
+
+def ragged_names(layouts: Iterable[Layout]) -> frozenset[str]:
+    """The leaves (dotted) that frames of these layouts hold as ragged: one type per leaf name.
+
+    A leaf is ragged when it is ragged in any layout, and when its first dim differs between two
+    layouts in which it is the same leaf (a plain tensor, or one key of a tree) with the same dtype
+    and other dims: two filenames of one frame each, or two batches. A leaf of one value per frame
+    (``[]``), a leaf whose other dims differ, and one whose first dim is equal everywhere (0
+    included: a detector that found nothing) keep their layouts.
+
+    >>> tokens = [Layout("tree", None, (Leaf(("tokens",), torch.int64, (n,)),)) for n in (7, 5)]
+    >>> sorted(ragged_names(tokens)), sorted(ragged_names(tokens[:1]))
+    (['tokens'], [])
+    """
+    ragged: set[str] = set()
+    firsts: dict[tuple, set[int]] = {}
+    for layout in layouts:
+        for x in layout.leaves:
+            if x.ragged:
+                ragged.add(dotted(x))
+            elif x.shape:
+                firsts.setdefault((layout.kind, x.path, x.dtype, x.shape[1:]), set()).add(x.shape[0])
+    ragged.update(".".join(path) for (_, path, _, _), dims in firsts.items() if len(dims) > 1)
+    return frozenset(ragged)
 
 
 def common_layout(a: Layout, b: Layout) -> Layout | None:
@@ -130,22 +158,13 @@ def promote_part(part: Part, layout: Layout) -> Part:
 
 
 def unify(parts: list[Part]) -> list[Part]:
-    """``parts`` with every leaf made ragged that is ragged in one of them or varies within a filename.
+    """``parts`` with every leaf made ragged that `ragged_names` finds in their layouts, in every part.
 
-    A filename whose parts fit but differ makes the leaves that differ ragged, in every part; so
-    does a leaf ragged in any part. Layouts that do not fit are left as they are, for
-    `tdgather.core.plan.place` to report.
+    A leaf ragged in any part, or whose first dim differs between two parts (of one filename or of
+    two), is made ragged in each. Layouts that do not fit are left
+    as they are, for `tdgather.core.plan.place` to report.
     """
-    names = {dotted(x) for p in parts for x in p.layout.leaves if x.ragged}
-    if len({p.layout for p in parts if p.num_frames}) > 1:
-        seen: dict[str, Layout] = {}
-        for p in parts:
-            if not p.num_frames:
-                continue
-            for name in p.names:
-                first = seen.setdefault(name, p.layout)
-                if first != p.layout:
-                    names |= varying(first, p.layout) or set()
+    names = ragged_names({p.layout for p in parts if p.num_frames})
     if not names:
         return parts
     return [promote_part(p, promote(p.layout, names)) for p in parts]

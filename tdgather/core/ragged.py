@@ -230,7 +230,9 @@ def element_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 def padded(x: Any, value: float | bool = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A ragged leaf as ``(padded [T, max N_i, *shape], lengths int64 [T])``, for every dtype tdgather stores.
 
-    ``x`` is a jagged nested tensor (what tdgather returns for a ragged leaf) or a `Ragged`.
+    ``x`` is a jagged nested tensor (what tdgather returns for a ragged leaf) or a `Ragged`; or a
+    plain tensor ``[T, N, ...]``, a leaf whose frames all had N rows, returned as it is with
+    lengths N: code that pads a leaf works whether or not its counts happened to differ.
     torch's ``to_padded_tensor`` does the same for the dtypes it implements; this one also pads
     uint64 and the float8 kinds, and returns the lengths.
 
@@ -238,11 +240,18 @@ def padded(x: Any, value: float | bool = 0) -> tuple[torch.Tensor, torch.Tensor]
     >>> p, n = padded(nt, value=-1)
     >>> p.tolist(), n.tolist()
     ([[0.0, 1.0], [-1.0, -1.0], [2.0, -1.0]], [2, 0, 1])
+    >>> p, n = padded(torch.ones(2, 3, 4))  # every frame had 3 boxes
+    >>> p.shape, n.tolist()
+    (torch.Size([2, 3, 4]), [3, 3])
     """
+    if isinstance(x, torch.Tensor) and not x.is_nested and x.dim() >= 2:
+        _check_fill(value, x.dtype)
+        return x, torch.full((x.shape[0],), x.shape[1], dtype=torch.int64)
     if not (isinstance(x, Ragged) or (isinstance(x, torch.Tensor) and x.is_nested)):
+        got = f"a tensor of shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(
-            f"padded(): expected a ragged leaf, a jagged nested tensor (as tdgather returns it), got "
-            f"{type(x).__name__}; a list of tensors pads with torch.nn.utils.rnn.pad_sequence"
+            f"padded(): expected a ragged leaf, a jagged nested tensor (as tdgather returns it) or a tensor "
+            f"[T, N, ...], got {got}; a list of tensors pads with torch.nn.utils.rnn.pad_sequence"
         )
     r = x if isinstance(x, Ragged) else Ragged.from_nested(x, "padded()")
     values, lengths = r.span()

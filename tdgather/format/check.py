@@ -20,7 +20,7 @@ import torch
 from ..core.checks import FieldCheck, decode_layout, strict_json
 from ..core.dtypes import SAFETENSORS_CODE, dtype_name
 from ..core.frames import Layout
-from ..core.promote import common_layout, dotted
+from ..core.promote import common_layout, ragged_names
 from ..errors import DatasetError
 from .names import FORMAT, INDEX_VERSION, RAGGED_VERSION, SHARD_NAME, SHARD_VERSIONS, VERSIONS, GroupNames, group_names
 from .records import Failure, FileEntry, Segment, ShardEntry
@@ -103,7 +103,9 @@ class IndexPlan:
         layouts: each filename's layout (of all its segments: joined, where their layouts differ in first dims).
         groups: each ``(shard, group)``'s layout.
         needs: per ``(shard, group)``, the rows its segments reach and the field of the segment reaching furthest.
-        ragged: the leaves (dotted) ragged in any group, or made ragged by a filename whose segments' layouts join.
+        ragged: the leaves (dotted) the dataset holds as ragged, decided by every group's layout
+            (`tdgather.core.promote.ragged_names`: ragged anywhere, or a first dim that differs
+            between two frames).
     """
 
     layouts: dict[str, Layout]
@@ -192,8 +194,7 @@ def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
     ):
         if totals[what] != want:
             raise c.fail(f"metadata.{what}", f"{want}, as the shards and files say", totals[what])
-    ragged = {dotted(x) for layout in {*groups.values(), *joins} for x in layout.leaves if x.ragged}
-    return IndexPlan(layouts, groups, needs, frozenset(ragged))
+    return IndexPlan(layouts, groups, needs, ragged_names({*groups.values(), *joins}))
 
 
 def shard_groups(f: Any, c: Check) -> dict:

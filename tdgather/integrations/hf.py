@@ -14,7 +14,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,29 +42,50 @@ def _json_only(layout: Layout) -> Layout:
 
 @dataclass(frozen=True)
 class _Column:
-    """One leaf column: where it is in a frame, what it holds, and the filename that first had it."""
+    """One leaf column: where it is in a frame, what it holds, and the filename that first had it.
+
+    ``shape`` holds None for a dim that differs between filenames; ``as_json``: the filenames'
+    leaves differ in their number of dims (or a tensor in one is JSON in another), so the column
+    holds each value as JSON (nested lists).
+    """
 
     path: tuple[str, ...]
     dtype: torch.dtype | None  # None: a JSON leaf
-    shape: tuple[int, ...]
+    shape: tuple[int | None, ...]
     ragged: bool
     first: str
+    as_json: bool = False
 
     def signature(self) -> tuple:
-        return self.dtype, self.shape, self.ragged
+        return self.dtype, self.shape, self.ragged, self.as_json
 
     def describe(self) -> str:
-        if self.dtype is None:
+        if self.dtype is None or self.as_json:
             return "json"
-        return f"{dtype_name(self.dtype)}[{', '.join(['*'] * self.ragged + [str(d) for d in self.shape])}]"
+        dims = ["*"] * self.ragged + ["*" if d is None else str(d) for d in self.shape]
+        return f"{dtype_name(self.dtype)}[{', '.join(dims)}]"
+
+    def joined(self, other: _Column) -> _Column:
+        """One column for two filenames' leaves of one name that differ: one type both fit in, never a refusal.
+
+        Another dtype: the one both promote to (``torch.promote_types``); another size of a dim: that
+        dim varies (None); another number of dims, raggedness, or a tensor against JSON: JSON values.
+        """
+        if self.as_json or other.as_json or None in (self.dtype, other.dtype):
+            return replace(self, as_json=True)
+        if len(self.shape) != len(other.shape) or self.ragged != other.ragged:
+            return replace(self, as_json=True)
+        shape = tuple(a if a == b else None for a, b in zip(self.shape, other.shape, strict=True))
+        return replace(self, dtype=torch.promote_types(self.dtype, other.dtype), shape=shape)
 
 
 def _columns(dataset: Dataset, names: Sequence[str]) -> dict[str, _Column]:
     """Every leaf of every filename as a column (dotted key; a plain tensor frame is ``frames``).
 
+    Two filenames whose leaves of one name differ get one column both fit in (`_Column.joined`).
+
     Raises:
-        ExportError: a column named ``filename``/``frame_idx``, or two filenames whose leaves of
-            one name differ in dtype, shape or raggedness.
+        ExportError: a leaf named ``filename`` or ``frame_idx``.
     """
     out: dict[str, _Column] = {}
     seen_layouts = set()  # filenames of one layout have the same columns: the first of each stands for all
@@ -81,11 +102,7 @@ def _columns(dataset: Dataset, names: Sequence[str]) -> dict[str, _Column]:
                 raise ExportError(f"{name!r}: a leaf named {label!r} would collide with the {label!r} column")
             seen = out.setdefault(label, col)
             if seen.signature() != col.signature():
-                raise ExportError(
-                    f"column {label!r} is {seen.describe()} in {seen.first!r} but {col.describe()} in {name!r}: "
-                    "one table needs one type per column; export those filenames apart (to_hf(filenames=[...]), or "
-                    "tdgather export-hf --filenames ...)"
-                )
+                out[label] = seen.joined(col)
     return dict(sorted(out.items()))
 
 
@@ -104,17 +121,21 @@ def _stored_shape(col: _Column) -> tuple[int, ...]:
     return (*col.shape, 2) if col.dtype == torch.complex64 else col.shape
 
 
-def _tensor_feature(value: str, shape: tuple[int, ...], ragged: bool) -> Any:
-    """The ``datasets`` feature of a tensor leaf: Value, List, ArrayND, or nested fixed Lists."""
+def _tensor_feature(value: str, shape: tuple[int | None, ...], ragged: bool) -> Any:
+    """The ``datasets`` feature of a tensor leaf: Value, List, ArrayND, or nested Lists.
+
+    A dim of a known size is a fixed-size list; a dim that varies between filenames, or of size 0
+    (Arrow has no fixed-size list of 0), a list of any size.
+    """
     from datasets import Array2D, Array3D, Array4D, Array5D, List, Value
 
     arrays = {2: Array2D, 3: Array3D, 4: Array4D, 5: Array5D}
     dims = (None, *shape) if ragged else shape
-    if 2 <= len(dims) <= _MAX_ARRAY_DIMS and all(d > 0 for d in shape):  # ArrayND: None only first
+    if 2 <= len(dims) <= _MAX_ARRAY_DIMS and all(d for d in shape):  # ArrayND: None only first
         return arrays[len(dims)](shape=dims, dtype=value)
     feature: Any = Value(value)
     for d in reversed(shape):
-        feature = List(feature, length=d)
+        feature = List(feature, length=d) if d else List(feature)
     return List(feature) if ragged else feature
 
 
@@ -136,7 +157,7 @@ def _json_feature(values: list[Any]) -> Any:
 
 def _json_values(dataset: Dataset, names: Sequence[str], columns: dict[str, _Column]) -> dict[str, list]:
     """Every JSON leaf's values over ``names`` (reading JSON lines only), per column."""
-    out: dict[str, list] = {label: [] for label, col in columns.items() if col.dtype is None}
+    out: dict[str, list] = {label: [] for label, col in columns.items() if col.dtype is None or col.as_json}
     for name in names:
         layout = dataset.stored_layout(name)
         if not layout.nontensor:
@@ -163,6 +184,10 @@ def hf_features(dataset: Dataset, filenames: Sequence[str] | None = None) -> tup
     features: dict[str, Any] = {"filename": Value("string"), "frame_idx": Value("int64")}
     converted = {}
     for label, col in columns.items():
+        if col.as_json:  # nested lists of numbers beside JSON values, or lists of several depths
+            features[label] = _json_feature([None])
+            converted[label] = "values of several kinds -> JSON"
+            continue
         if col.dtype is None:
             features[label] = _json_feature(json_values[label])
             continue
@@ -192,19 +217,30 @@ def _numpy(t: torch.Tensor) -> Any:
     return t.contiguous().numpy()
 
 
-def _rows_of(dataset: Dataset, name: str, labels: Sequence[str]) -> Iterator[dict[str, Any]]:
-    """One filename's frames as rows: ``filename``, ``frame_idx`` and a value (or None) per column."""
+def _rows_of(
+    dataset: Dataset, name: str, labels: Sequence[str], kinds: dict[str, torch.dtype | None]
+) -> Iterator[dict[str, Any]]:
+    """One filename's frames as rows: ``filename``, ``frame_idx`` and a value (or None) per column.
+
+    ``kinds``: each tensor column's dtype (a leaf of another dtype is converted to it), or None for
+    a column of JSON values (a tensor leaf there gives nested lists).
+    """
     frames = dataset[name]
     count = frames.frame_idx.numel()
     layout, tensors, json_values = flatten(frames.frames, count, name)
     cells: dict[str, Any] = {}
     for leaf, t in zip(layout.leaves, tensors, strict=True):
         label = column_label(leaf.path)
+        dtype = kinds.get(label)
+        values = t.values if isinstance(t, Ragged) else t
+        if dtype is not None and values.dtype != dtype:
+            values = values.to(dtype)
+        values = values.tolist() if dtype is None else _numpy(values)
         if isinstance(t, Ragged):
-            values, bounds = _numpy(t.values), (t.offsets - t.offsets[0]).tolist()
+            bounds = (t.offsets - t.offsets[0]).tolist()
             cells[label] = [values[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
         else:
-            cells[label] = _numpy(t)
+            cells[label] = values
     for path, values in zip(layout.nontensor, json_values, strict=True):
         cells[column_label(path)] = values
     for k, idx in enumerate(frames.frame_idx.tolist()):
@@ -215,9 +251,11 @@ def _rows_of(dataset: Dataset, name: str, labels: Sequence[str]) -> Iterator[dic
         yield row
 
 
-def _generate(dataset: Dataset, names: list[str], labels: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+def _generate(
+    dataset: Dataset, names: list[str], labels: tuple[str, ...], kinds: dict[str, torch.dtype | None]
+) -> Iterator[dict[str, Any]]:
     for name in names:
-        yield from _rows_of(dataset, name, labels)
+        yield from _rows_of(dataset, name, labels, kinds)
 
 
 def _fingerprint(dataset: Dataset, names: Sequence[str], features: Any) -> str:
@@ -251,6 +289,11 @@ def to_hf(
     bfloat16 and the float8 types become float32 (which holds each of their values exactly);
     complex64 becomes float32 with a last dim of 2 (real, imag). Every other dtype is kept.
 
+    A leaf that differs between filenames is never refused either: its column takes the dtype
+    both promote to (``torch.promote_types``) and a list of any size for a dim that differs; a leaf
+    with another number of dims, or a tensor in one filename and JSON in another, is a ``Json()``
+    column of nested lists and values (listed in ``info.description``).
+
     Args:
         dataset: an open `tdgather.Dataset`.
         cache_dir: where ``datasets`` writes its Arrow files; the result is memory-mapped from
@@ -260,7 +303,7 @@ def to_hf(
 
     Raises:
         ImportError: ``datasets`` is not installed.
-        ExportError: two filenames give one column different types (export them apart).
+        ExportError: a leaf named ``filename`` or ``frame_idx`` (it would collide with those columns).
     """
     try:
         import datasets
@@ -269,9 +312,11 @@ def to_hf(
     names = _names(dataset, filenames)
     features, converted = hf_features(dataset, names)
     labels = [k for k in features if k not in _RESERVED]
+    columns = _columns(dataset, names)
+    kinds = {label: None if col.as_json else col.dtype for label, col in columns.items()}
     kwargs = {
         "features": features,
-        "gen_kwargs": {"dataset": dataset, "names": names, "labels": tuple(labels)},  # one list: the shards
+        "gen_kwargs": {"dataset": dataset, "names": names, "labels": tuple(labels), "kinds": kinds},  # one list
         "fingerprint": _fingerprint(dataset, names, features),
     }
     try:

@@ -22,6 +22,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 
 from ..core.frames import Frames, Layout, rebuild
 from ..core.promote import promote, promote_columns
+from ..core.ragged import Ragged
 from ..errors import OutputError
 from ..format.check import (
     Check,
@@ -44,7 +46,7 @@ from ..format.names import INCOMPLETE_NAME, INDEX_NAME
 from .location import store_at
 from .outdir import staging_of
 from .scan import loose_shards, partial_index
-from .segments import OpenShard, cat_columns, offsets_of_rows, open_shard, read_rows
+from .segments import OpenShard, cat_columns, nested, offsets_of_rows, open_shard, read_picked, read_rows
 from .store import LocalStore, Store, digest
 from .views import FrameDataset
 
@@ -77,7 +79,9 @@ class Dataset(Mapping[str, Frames]):
         incomplete: bool = False,
         storage_options: dict | None = None,
         store: Store | None = None,
+        tensorclass: bool = True,
     ) -> None:
+        self.tensorclass = tensorclass  # False: every tree read as a TensorDict (`layout` names no class)
         store = store or store_at(path, storage_options)  # ``store``: the store itself (a test's, for a URL)
         self.store: Store = store
         self.path: Path | str = Path(store.where) if store.atomic_rename else store.where
@@ -163,9 +167,11 @@ class Dataset(Mapping[str, Frames]):
 
         A leaf ragged in any filename of the dataset is ragged here too (`ragged_leaves`), so a leaf
         name has one type across the dataset: frames stored fixed read as that many rows each.
+        Opened with ``tensorclass=False``, it names no tensorclass: frames are read as TensorDicts.
         """
         stored = self._plan.layouts[name]
-        return promote(stored, self.ragged_leaves) if self.ragged_leaves else stored
+        layout = promote(stored, self.ragged_leaves) if self.ragged_leaves else stored
+        return layout if self.tensorclass or layout.cls is None else replace(layout, cls=None)
 
     def stored_layout(self, name: str) -> Layout:
         """A filename's layout as its segments have it: joined where they differ in a leaf's first dim.
@@ -180,7 +186,23 @@ class Dataset(Mapping[str, Frames]):
         """Rows ``lo:hi`` of one of ``name``'s segments, as `layout` gives them (fixed leaves made ragged)."""
         stored = self._plan.groups[shard.shard, group]
         idx, tensors, json_values = read_rows(shard.f, shard.c, shard.names(group, stored), stored, lo, hi)
-        return idx, promote_columns(stored, self.layout(name), tensors), json_values
+        return idx, self._promoted(stored, name, tensors), json_values
+
+    def read_picked(
+        self, shard: OpenShard, group: str, name: str, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, list, list]:
+        """Rows ``rows`` (any order) of a group that holds ``name``'s frames, as `layout` gives ``name``'s frames.
+
+        One gather per tensor where the shard is mapped, one read per run of consecutive rows where
+        not (`tdgather.storage.segments.read_picked`); the rows must lie in the group's segments.
+        """
+        stored = self._plan.groups[shard.shard, group]
+        idx, tensors, json_values = read_picked(shard.f, shard.c, shard.names(group, stored), stored, rows)
+        return idx, self._promoted(stored, name, tensors), json_values
+
+    def _promoted(self, stored: Layout, name: str, tensors: list) -> list:
+        layout = self.layout(name)
+        return tensors if layout is stored or layout == stored else promote_columns(stored, layout, tensors)
 
     def num_frames(self, name: str) -> int:
         """Frames stored for a filename, without reading data."""
@@ -296,9 +318,10 @@ class Dataset(Mapping[str, Frames]):
             raise Check(self.store.path(shards)).fail(
                 f"files{key(name)} frame_idx", expected, idx[at - 1 : at + 1].tolist()
             )
+        tensors = [nested(t) if isinstance(t, Ragged) else t for t in tensors]  # as `rebuild` would, sooner
         try:
             value = rebuild(layout, count, tensors, json_values)
-        except (KeyError, ValueError, TypeError) as e:  # e.g. a loaded tensorclass whose fields differ
+        except (KeyError, ValueError, TypeError) as e:  # leaves that do not make it
             raise self._index.fail(f"files{key(name)}", f"leaves that make {layout.describe()}", str(e)) from e
         return Frames(frame_idx=idx, frames=value, batch_size=[count])
 
@@ -321,7 +344,9 @@ def _hint(path: Path) -> str:
     return ""
 
 
-def open_dataset(path: str | os.PathLike, *, incomplete: bool = False, storage_options: dict | None = None) -> Dataset:
+def open_dataset(
+    path: str | os.PathLike, *, incomplete: bool = False, storage_options: dict | None = None, tensorclass: bool = True
+) -> Dataset:
     """Open a saved dataset lazily; raises OutputError when it is incomplete, DatasetError when it is malformed.
 
     The index is checked whole here; each shard's header the first time one of its filenames
@@ -329,5 +354,8 @@ def open_dataset(path: str | os.PathLike, *, incomplete: bool = False, storage_o
     ``incomplete=True``, open instead what a failed run saved in ``<path>.partial`` (under a URL: its
     objects beside any old dataset)
     (the frames committed before the failure, listed in ``tdgather.incomplete.json``).
+    ``tensorclass=False`` reads every frame of a tensorclass as a TensorDict of its fields; by
+    default it is that class where this process has imported it with those fields, and a
+    TensorDict, with a warning that names the class and why, where not.
     """
-    return Dataset(path, incomplete, storage_options)
+    return Dataset(path, incomplete, storage_options, tensorclass=tensorclass)

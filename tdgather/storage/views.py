@@ -8,6 +8,11 @@ like any read: a shard rewritten by another run is refused, never read under the
 DataLoader workers can share it: forked, they keep the shards already open; pickled (spawn),
 they open and check their own.
 
+A DataLoader with a ``batch_size`` asks for a batch's items at once (``__getitems__``): they are
+read together, one gather per tensor of each group the batch touches (`FrameBatch`), and
+`collate_frames` makes them one value of ``B`` frames (a leaf one tensor), so that a worker's
+batch crosses to the main process as a few tensors, not one per frame.
+
 The reader makes these views of itself (``Dataset.per_frame``), so this module does not import
 it: a view reads through what `FrameSource` names. `column_label` names a leaf's column here, in
 ``tdgather inspect`` and in the Hugging Face export (`tdgather.integrations.hf`).
@@ -23,13 +28,14 @@ from typing import Any, Protocol
 import torch
 import torch.utils.data
 
-from ..core.frames import Layout, rebuild_one
+from ..core.frames import Layout, rebuild, rebuild_one
+from ..core.ragged import Ragged
 from ..errors import DatasetError
 from ..format.check import key
 from ..format.names import escape_key
-from .segments import OpenShard
+from .segments import OpenShard, cat_columns, nested
 
-__all__ = ["FrameDataset", "FrameSource", "collate_frames", "column_label", "frame_ranges"]
+__all__ = ["FrameBatch", "FrameDataset", "FrameSource", "collate_frames", "column_label", "frame_ranges"]
 
 TENSOR_COLUMN = "frames"  # the column of a filename whose frames are plain tensors (no keys)
 
@@ -58,6 +64,11 @@ class FrameSource(Protocol):
     def read_rows(self, shard: OpenShard, group: str, name: str, lo: int, hi: int) -> tuple[torch.Tensor, list, list]:
         """Rows ``lo:hi`` of one of ``name``'s segments, as `layout` gives them."""
 
+    def read_picked(
+        self, shard: OpenShard, group: str, name: str, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, list, list]:
+        """Rows ``rows`` (any order) of a group that holds ``name``'s frames, as `layout` gives them."""
+
 
 def _frame_idx_only(layout: Layout) -> Layout:
     """A layout with no leaves: `read_rows` then reads a segment's frame indexes and nothing else."""
@@ -73,8 +84,10 @@ class FrameDataset(torch.utils.data.Dataset):
     that frame's ``[N_k, ...]`` rows. Order: filenames sorted, then frames by ``frame_idx``.
 
     Construction reads each group's ``frame_idx`` (nothing else); an item reads only its
-    frame's rows (through the dataset's open shards, never their other rows). It can be forked
-    or pickled into DataLoader workers (a pickled copy opens its shards again, and checks them).
+    frame's rows (through the dataset's open shards, never their other rows), and a batch of
+    items (``__getitems__``, which a DataLoader with a ``batch_size`` calls) only theirs, read
+    together. It can be forked or pickled into DataLoader workers (a pickled copy opens its
+    shards again, and checks them).
 
     Attributes:
         dataset: the `tdgather.Dataset`.
@@ -107,22 +120,139 @@ class FrameDataset(torch.utils.data.Dataset):
         return self.filenames[f], int(self._frame_idx[i])
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        name, expected = self.locate(i)
         i = self._position(i)
-        segment, row = int(self._segment[i]), int(self._row[i])
-        layout = self.dataset.layout(name)
-        for shard, group, lo, hi in self.dataset.segments(name, only=segment):
-            c = shard.c
+        name = self.filenames[int(torch.searchsorted(self._starts, i, right=True)) - 1]
+        expected, segment, row = int(self._frame_idx[i]), int(self._segment[i]), int(self._row[i])
+        shard, group, lo, hi = self._segment_of(name, segment)
+        if not lo <= row < hi:
+            raise shard.c.fail(f"{group} rows", f"row {row} inside {lo}..{hi}", "a segment changed since it was read")
+        idx, tensors, json_values = self.dataset.read_rows(shard, group, name, row, row + 1)
+        if idx.tolist() != [expected]:
+            raise shard.c.fail(f"{group} frame_idx row {row}", f"[{expected}] (as read at construction)", idx.tolist())
+        return {
+            "filename": name,
+            "frame_idx": expected,
+            "frames": rebuild_one(self.dataset.layout(name), tensors, json_values),
+        }
+
+    def __getitems__(self, indices: Sequence[int]) -> FrameBatch:
+        """Items ``indices`` (a DataLoader's batch), read together: a `FrameBatch`, a sequence of the items.
+
+        The frames of each group the batch touches are read at once (`tdgather.Dataset.read_picked`:
+        one gather per tensor of a mapped shard, one read per run of consecutive rows of another),
+        each checked as `__getitem__` checks an item. `collate_frames` makes the batch one value.
+        """
+        return self._read([self._position(i) for i in indices])
+
+    def _read(self, positions: list[int]) -> FrameBatch:
+        """The items at ``positions`` (each in ``[0, len)``), read a group at a time."""
+        at = torch.tensor(positions, dtype=torch.int64)
+        files = (torch.searchsorted(self._starts, at, right=True) - 1).tolist()
+        segments, rows, expected = self._segment[at].tolist(), self._row[at].tolist(), self._frame_idx[at]
+        seen: dict[tuple[int, int], tuple] = {}  # (file, segment) -> its bucket's key, shard, group, lo, hi
+        buckets: dict[tuple, list] = {}  # (shard, group, layout) -> [shard, name, group, positions in the batch]
+        for k, (f, segment, row) in enumerate(zip(files, segments, rows, strict=True)):
+            got = seen.get((f, segment))
+            if got is None:
+                name = self.filenames[f]
+                shard, group, lo, hi = self._segment_of(name, segment)
+                layout = self.dataset.layout(name)
+                got = seen[f, segment] = ((shard.shard, group, layout), shard, group, lo, hi, name)
+            bucket, shard, group, lo, hi, name = got
             if not lo <= row < hi:
-                raise c.fail(f"{group} rows", f"row {row} inside {lo}..{hi}", "a segment changed since it was read")
-            idx, tensors, json_values = self.dataset.read_rows(shard, group, name, row, row + 1)
-            if idx.tolist() != [expected]:
-                raise c.fail(f"{group} frame_idx row {row}", f"[{expected}] (as read at construction)", idx.tolist())
-            break
+                raise shard.c.fail(
+                    f"{group} rows", f"row {row} inside {lo}..{hi}", "a segment changed since it was read"
+                )
+            buckets.setdefault(bucket, [shard, name, group, []])[3].append(k)
+        parts = []
+        for (_, _, layout), (shard, name, group, ks) in buckets.items():
+            picked = torch.tensor([rows[k] for k in ks], dtype=torch.int64)
+            idx, tensors, json_values = self.dataset.read_picked(shard, group, name, picked)
+            want = expected[ks] if len(ks) < len(positions) else expected
+            if idx.shape != want.shape or not torch.equal(idx.to(torch.int64), want):
+                m = next(m for m in range(len(ks)) if m >= idx.numel() or int(idx[m]) != int(want[m]))
+                raise shard.c.fail(
+                    f"{group} frame_idx row {rows[ks[m]]}",
+                    f"[{int(want[m])}] (as read at construction)",
+                    idx[m : m + 1].tolist(),
+                )
+            parts.append((layout, ks, tensors, json_values))
+        names = [self.filenames[f] for f in files]
+        if len({layout for layout, *_ in parts}) == 1:  # one layout: the batch's columns
+            layout, _, tensors, json_values = parts[0]
+            if len(parts) > 1:  # groups in turn: joined, then put in the batch's order
+                order = torch.argsort(torch.tensor([k for _, ks, _, _ in parts for k in ks]))
+                tensors = [cat_columns([p[2][j] for p in parts]).index_select(0, order) for j in range(len(tensors))]
+                picks = order.tolist()
+                json_values = [[v for p in parts for v in p[3][j]] for j in range(len(json_values))]
+                json_values = [[values[k] for k in picks] for values in json_values]
+            return FrameBatch(names, expected, layout, tensors, json_values)
+        values: list[Any] = [None] * len(positions)  # layouts differ: each frame on its own
+        for layout, ks, tensors, json_values in parts:
+            for m, k in enumerate(ks):
+                values[k] = _one(layout, tensors, json_values, m)
+        return FrameBatch(names, expected, None, values, [])
+
+    def _segment_of(self, name: str, segment: int) -> tuple[OpenShard, str, int, int]:
+        """Segment ``segment`` of ``name``: its open shard, group, and rows ``lo, hi``."""
+        for got in self.dataset.segments(name, only=segment):
+            return got
+        raise DatasetError(str(self.dataset.path), f"files[{name!r}]", f"expected segment {segment}, got none")
+
+
+def _one(layout: Layout, tensors: list, json_values: list, m: int) -> Any:
+    """Frame ``m`` of columns of ``layout``: its value as `FrameDataset` items give it."""
+    return rebuild_one(layout, [t[m : m + 1] for t in tensors], [values[m : m + 1] for values in json_values])
+
+
+class FrameBatch(Sequence[dict[str, Any]]):
+    """The items of a batch (`FrameDataset.__getitems__`), read together: a sequence of item dicts.
+
+    An item is built when it is asked for; `collate_frames` takes the batch's columns directly
+    (`collate`), so a DataLoader's batch never makes one. Where its frames differ in layout
+    (filenames saved with other leaves), each frame was built on its own.
+
+    Attributes:
+        filenames: each frame's filename.
+        frame_idx: LongTensor ``[B]``, each frame's index.
+        layout: the frames' layout, or None where they differ.
+    """
+
+    def __init__(
+        self, filenames: list[str], frame_idx: torch.Tensor, layout: Layout | None, tensors: list, json_values: list
+    ) -> None:
+        self.filenames, self.frame_idx, self.layout = filenames, frame_idx, layout
+        self._tensors, self._json = tensors, json_values  # the columns; or (layout None) each frame's value
+        self._items: dict[int, dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self.filenames)
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        k = operator.index(k)
+        if not -len(self) <= k < len(self):
+            raise IndexError(f"item {k} out of range for a batch of {len(self)}")
+        k %= len(self)
+        item = self._items.get(k)
+        if item is None:
+            value = self._tensors[k] if self.layout is None else _one(self.layout, self._tensors, self._json, k)
+            item = self._items[k] = {
+                "filename": self.filenames[k],
+                "frame_idx": int(self.frame_idx[k]),
+                "frames": value,
+            }
+        return item
+
+    def collate(self) -> dict[str, Any]:
+        """The batch as `collate_frames` gives it: ``frames`` one value of the frames (a list where layouts differ)."""
+        if self.layout is None:
+            frames: Any = list(self._tensors)
         else:
-            raise DatasetError(str(self.dataset.path), f"files[{name!r}]", f"expected segment {segment}, got none")
-        value = rebuild_one(layout, tensors, json_values)
-        return {"filename": name, "frame_idx": expected, "frames": value}
+            tensors = [nested(t) if isinstance(t, Ragged) else t for t in self._tensors]
+            frames = rebuild(self.layout, len(self), tensors, self._json)
+        return {"filename": list(self.filenames), "frame_idx": self.frame_idx, "frames": frames}
 
 
 def _frame_map(dataset: FrameSource, filenames: list[str]) -> tuple[torch.Tensor, ...]:
@@ -190,18 +320,25 @@ def _frame_map(dataset: FrameSource, filenames: list[str]) -> tuple[torch.Tensor
 
 
 def collate_frames(items: Sequence[dict[str, Any]] | dict[str, Any]) -> dict[str, Any]:
-    """A DataLoader ``collate_fn`` for `FrameDataset` items that keeps each frame as it is.
+    """A DataLoader ``collate_fn`` for `FrameDataset` items: a batch's frames as one value, like ``ds[name].frames``.
 
     torch's default collate and convert walk into a TensorDict as into a dict and fail on one
     frame's (batch size ``[]``); pass this instead, with a ``batch_size`` or ``batch_size=None``.
 
     Returns:
-        Given one item (``batch_size=None``): that item. Given a list of B items:
-        ``{"filename": [str], "frame_idx": LongTensor[B], "frames": [value, ...]}``: frames may
-        differ in layout (filenames) or rows (ragged leaves), so they are not stacked.
+        Given one item (``batch_size=None``): that item. Given the B items of a batch:
+        ``{"filename": [str], "frame_idx": LongTensor[B], "frames": value}``, where ``frames`` holds
+        the B frames as `tdgather.Dataset` gives a filename's: a tensor ``[B, ...]``, or a
+        TensorDict / tensorclass with batch size ``[B]`` whose fixed leaves are stacked, ragged
+        leaves jagged nested tensors ``[B, j, ...]`` and JSON leaves a ``NonTensorStack``. Where
+        the frames of a batch differ in layout (filenames saved with other leaves), and for items
+        that did not come from `FrameDataset.__getitems__` (which a DataLoader over
+        ``ds.per_frame()``, or a ``Subset`` of it, calls), ``frames`` is a list of the B frames.
     """
     if isinstance(items, dict):
         return items
+    if isinstance(items, FrameBatch):
+        return items.collate()
     return {
         "filename": [x["filename"] for x in items],
         "frame_idx": torch.tensor([x["frame_idx"] for x in items], dtype=torch.int64),
