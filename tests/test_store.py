@@ -53,7 +53,9 @@ def test_reused_output_and_index_buffers_are_copied():
 
 def test_blocks_and_batches_kept_alone_interleave_in_row_order():
     store = tdgather.FrameStore()
-    big = torch.randn(4, PIECE_MIN // 4)  # 4 frames of PIECE_MIN bytes each: kept as a chunk of its own
+    # 4 frames of PIECE_MIN bytes each: kept as a chunk of its own (2 dims a frame: not the small frames'
+    # leaf with another first dim, which would make the leaf ragged)
+    big = torch.randn(4, 4, PIECE_MIN // 16)
     small = [torch.randn(2, 8) for _ in range(4)]
     store.add(["s"] * 2, torch.tensor([0, 1]), small[0])
     store.add(["s"] * 2, torch.tensor([2, 3]), small[1])
