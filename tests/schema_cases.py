@@ -66,38 +66,29 @@ def _read(path: str) -> dict:
     return out
 
 
-def case_prompts(path: str, how: str) -> dict | None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = _prompts(rank, world)
-    if how == "gather":
-        got = tdgather.gather(mine)
-        if got is None:
-            return None
-        tdgather.save(got, path)
-    else:
-        with tdgather.Collector(path) as col:
-            for name, (idx, value) in mine.items():
-                col.add([name], [idx], [value])
-        if col.summary is None:
-            return None
-    return _read(path)
-
-
-def case_detections(path: str, how: str, boxes: int) -> dict | None:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batches = _detections(rank, world, boxes)
+def _write_and_read(path: str, how: str, batches: list[tuple[list[str], list | torch.Tensor, list]]) -> dict | None:
+    """``batches`` into a `FrameStore`, gathered and saved (``how="gather"``), or into a Collector; rank 0 reads."""
     if how == "gather":
         store = tdgather.FrameStore()
-        for names, idx, dets in batches:
-            store.add(names, idx, dets)
+        for names, idx, values in batches:
+            store.add(names, idx, values)
         got = tdgather.gather(store)
         if got is None:
             return None
         tdgather.save(got, path)
     else:
         with tdgather.Collector(path) as col:
-            for names, idx, dets in batches:
-                col.add(names, idx, dets)
+            for names, idx, values in batches:
+                col.add(names, idx, values)
         if col.summary is None:
             return None
     return _read(path)
+
+
+def case_prompts(path: str, how: str) -> dict | None:
+    mine = _prompts(dist.get_rank(), dist.get_world_size())
+    return _write_and_read(path, how, [([name], [idx], [value]) for name, (idx, value) in mine.items()])
+
+
+def case_detections(path: str, how: str, boxes: int) -> dict | None:
+    return _write_and_read(path, how, _detections(dist.get_rank(), dist.get_world_size(), boxes))

@@ -176,9 +176,14 @@ def hf_features(dataset: Dataset, filenames: Sequence[str] | None = None) -> tup
     Returns:
         ``(features, converted)``: ``converted`` maps a column to ``"bfloat16 -> float32"`` and the like.
     """
+    features, converted, _ = _features(dataset, _names(dataset, filenames))
+    return features, converted
+
+
+def _features(dataset: Dataset, names: list[str]) -> tuple[Any, dict[str, str], dict[str, _Column]]:
+    """`hf_features` over ``names``, and the columns it was made from."""
     from datasets import Features, Value
 
-    names = _names(dataset, filenames)
     columns = _columns(dataset, names)
     json_values = _json_values(dataset, names, columns)
     features: dict[str, Any] = {"filename": Value("string"), "frame_idx": Value("int64")}
@@ -196,7 +201,7 @@ def hf_features(dataset: Dataset, filenames: Sequence[str] | None = None) -> tup
         if value != dtype_name(col.dtype):
             extra = " (real, imag as a last dim of 2)" if col.dtype == torch.complex64 else ""
             converted[label] = f"{dtype_name(col.dtype)} -> {value}{extra}"
-    return Features(features), converted
+    return Features(features), converted, columns
 
 
 def _names(dataset: Dataset, filenames: Sequence[str] | None) -> list[str]:
@@ -310,9 +315,8 @@ def to_hf(
     except ImportError as e:
         raise ImportError("tdgather's to_hf needs Hugging Face datasets: pip install 'tdgather[hf]'") from e
     names = _names(dataset, filenames)
-    features, converted = hf_features(dataset, names)
+    features, converted, columns = _features(dataset, names)
     labels = [k for k in features if k not in _RESERVED]
-    columns = _columns(dataset, names)
     kinds = {label: None if col.as_json else col.dtype for label, col in columns.items()}
     kwargs = {
         "features": features,
