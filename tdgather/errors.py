@@ -72,6 +72,11 @@ def rank_name(rank: int, global_rank: int | None = None) -> str:
     return f"rank {global_rank} (group rank {rank})"
 
 
+# errors rank dst raises about what ranks sent (the ranks its message names), not about its own code
+_FOUND_IN_DATA = frozenset({"ShapeMismatchError", "DuplicateFrameError", "FrameConflictError"})
+_FOUND_HINT = " (found in the frames the ranks it names sent: fix what they send and rerun)"
+
+
 class PeerError(TdgatherError):
     """A peer reported a failure (an ``error`` message), or rank ``dst`` did.
 
@@ -86,7 +91,8 @@ class PeerError(TdgatherError):
     """
 
     def __init__(self, rank: int, error_type: str, error_message: str, global_rank: int | None = None) -> None:
-        hint = "" if error_message.endswith(self.hint) else self.hint
+        hint = self.hint if error_type not in _FOUND_IN_DATA else _FOUND_HINT
+        hint = "" if error_message.endswith(hint) else hint
         super().__init__(f"{rank_name(rank, global_rank)} failed with {error_type}: {error_message}{hint}")
         self.rank = rank
         self.global_rank = rank if global_rank is None else global_rank

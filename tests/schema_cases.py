@@ -10,9 +10,12 @@ returns what a user's reading code meets: the leaves read as ragged, each filena
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 import tdgather
 
@@ -54,7 +57,16 @@ def _read(path: str) -> dict:
             for name in ds
         },
         "files": len(ds),
+        "types": [t.describe() for t in ds.schema],
     }
+    index = json.loads((Path(path) / "tdgather.index.json").read_text())  # as a reader without tdgather sees it
+    out["schema"] = {
+        ".".join(x["path"]): [x["dtype"], x["shape"], x.get("ragged", False)]
+        for t in index["schema"]
+        for x in t["leaves"]
+    }
+    leaf = "tokens" if "tokens" in out["schema"] else "boxes"
+    out["plain_same"] = all(_same(_plain_rows(path, index, name, leaf), ds[name].frames[leaf]) for name in ds)
     first = ds[next(iter(ds))].frames
     if "boxes" in first.keys():
         padded, lengths = tdgather.padded(first["boxes"])
@@ -62,12 +74,39 @@ def _read(path: str) -> dict:
     if importlib.util.find_spec("datasets") is not None:
         hf = ds.to_hf()
         out["hf_rows"] = len(hf)
+        out["hf_features"] = {k: type(v).__name__ for k, v in hf.features.items()}
         out["hf_first"] = {k: (len(v) if isinstance(v, list) else v) for k, v in hf[0].items() if k != "filename"}
     return out
 
 
+def _plain_rows(path: str, index: dict, name: str, leaf: str) -> list[torch.Tensor]:
+    """One leaf of a filename's frames, read with safetensors and the index alone (docs/format.md's recipe)."""
+    rows, order = [], []
+    for e in index["files"][name]["segments"]:
+        stored = next(x for x in index["shards"][e["shard"]]["groups"][e["group"]]["leaves"] if x["path"] == [leaf])
+        with safe_open(str(Path(path) / e["shard"]), framework="pt") as f:
+            lo, hi = e["start"], e["start"] + e["frames"]
+            order += f.get_slice(f"{e['group']}:frame_idx")[lo:hi].tolist()
+            if stored.get("ragged"):
+                offsets = f.get_slice(f"{e['group']}.{leaf}:offsets")[lo : hi + 1]
+                values = f.get_slice(f"{e['group']}.{leaf}")[int(offsets[0]) : int(offsets[-1])]
+                rows += list(values.split(offsets.diff().tolist()))
+            else:
+                rows += list(f.get_slice(f"{e['group']}.{leaf}")[lo:hi])
+    return [rows[k] for k in sorted(range(len(rows)), key=order.__getitem__)]
+
+
+def _same(rows: list[torch.Tensor], column: torch.Tensor) -> bool:
+    """Whether ``rows`` are the frames of ``column`` (a plain tensor, or a jagged nested tensor), bit for bit."""
+    frames = column.unbind() if column.is_nested else list(column)
+    return len(rows) == len(frames) and all(torch.equal(a, b) for a, b in zip(rows, frames, strict=True))
+
+
 def _write_and_read(path: str, how: str, batches: list[tuple[list[str], list | torch.Tensor, list]]) -> dict | None:
-    """``batches`` into a `FrameStore`, gathered and saved (``how="gather"``), or into a Collector; rank 0 reads."""
+    """``batches`` into a `FrameStore`, gathered and saved (``how="gather"``), or into a Collector; rank 0 reads.
+
+    ``how="fixed"``: the Collector with ``ragged=False``.
+    """
     if how == "gather":
         store = tdgather.FrameStore()
         for names, idx, values in batches:
@@ -76,8 +115,8 @@ def _write_and_read(path: str, how: str, batches: list[tuple[list[str], list | t
         if got is None:
             return None
         tdgather.save(got, path)
-    else:
-        with tdgather.Collector(path) as col:
+    else:  # "collector", or "fixed": a Collector whose frames are declared fixed (ragged=False)
+        with tdgather.Collector(path, ragged=False if how == "fixed" else None) as col:
             for names, idx, values in batches:
                 col.add(names, idx, values)
         if col.summary is None:
@@ -92,3 +131,15 @@ def case_prompts(path: str, how: str) -> dict | None:
 
 def case_detections(path: str, how: str, boxes: int) -> dict | None:
     return _write_and_read(path, how, _detections(dist.get_rank(), dist.get_world_size(), boxes))
+
+
+def case_masks(path: str, how: str) -> dict | None:
+    """Instance masks ``[n, 1, s, s]`` of one image per filename, of two sizes: 64 px (3 and 4 objects), 96 px (5)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    images = [(64, 3), (64, 4), (96, 5), (96, 5)]
+    batches = [
+        ([f"img{i}.jpg"], [0], [{"boxes": torch.rand(n, 4), "masks": torch.rand(n, 1, s, s) > 0.5}])
+        for i, (s, n) in enumerate(images)
+        if i % world == rank
+    ]
+    return _write_and_read(path, how, batches)

@@ -222,3 +222,19 @@ def test_host_smoke(capsys):
     for method in METHODS:  # seconds, GB/s and the ratio to disk (a copy of 2 MB may print 0.000 s)
         assert len([float(x) for x in rows[method].split(", ")]) == 3, (method, rows[method])
     assert "chunks through shared memory (collector, last call): W=2: " in out
+
+
+@pytest.mark.world
+def test_readback_smoke(capsys):
+    """benchmarks.readback, tiny: every method of both workloads reads every prompt / frame back (no timings)."""
+    from benchmarks.readback import WORKLOADS
+    from benchmarks.readback import main as readback
+
+    args = ["--prompts", "30", "--frames", "96", "--filenames", "6", "--world", "2", "--repeats", "1"]
+    assert readback(args) == 0  # both workloads: the values are compared with the alternatives' first (_check)
+    out = capsys.readouterr().out
+    rows = [c for c in (line.strip("| ").split(" | ") for line in out.splitlines()) if len(c) == 7]
+    assert rows[0][:3] == ["workload", "method", "items"]
+    items = {(w, m): int(n) for w, m, n, *_ in rows[1:]}
+    assert items == {(w, m): {"prompts": 30, "frames": 96}[w] for w in WORKLOADS for m in WORKLOADS[w]}
+    assert "command: `python -m benchmarks.readback --prompts 30" in out and "torch 2." in out

@@ -51,6 +51,7 @@ def test_inspect(tmp_path, capsys):
     assert run.returncode == 0, run.stderr
     assert "'a.mp4'" in run.stdout and "float32[2, 3]" in run.stdout
     assert "total: 1 filenames, 2 frames, 48 B in 1 shard(s)" in run.stdout
+    assert "schema: 1 type(s) of frame\n  float32[2, 3]  (1 filename(s))" in run.stdout
     boxes = torch.nested.nested_tensor_from_jagged(torch.zeros(5, 4), torch.tensor([0, 2, 2, 5]))
     tdgather.save(tdgather.gather(_store("v.mp4", boxes)), tmp_path / "dets")
     assert main(["inspect", str(tmp_path / "dets")]) == 0

@@ -99,7 +99,7 @@ def test_a_collector_writes_to_s3_what_it_writes_locally(s3, url, reference, tmp
     run = tdgather.open(url, storage_options=s3).metadata["run"]
     assert all(f".{run[:12]}-1." in n for n in names[:-1])  # named by run and attempt: never another's
     index = json.loads(s3fs_of(s3).cat_file(url.removeprefix("s3://") + "/" + INDEX_NAME))
-    assert index["version"] == 6
+    assert index["version"] == 8
     sizes = {
         p.rsplit("/", 1)[1]: i["size"] for p, i in s3fs_of(s3).find(url.removeprefix("s3://"), detail=True).items()
     }

@@ -10,7 +10,7 @@ import torch
 import tdgather
 from tdgather import ShapeMismatchError
 from tdgather.core.frames import Layout, Leaf
-from tdgather.core.promote import common_layout, varying
+from tdgather.core.promote import common_layout, schema, varying
 from tdgather.storage.writer import DatasetWriter
 from tdgather.tools.launch import WorldError, run_local_world
 
@@ -33,8 +33,8 @@ def test_only_a_first_dim_or_raggedness_may_differ():
         return Layout("tree", None, tuple(Leaf(p, torch.float32, s, r) for p, s, r in leaves))
 
     a = lay((("boxes",), (3, 4), False), (("feat",), (8,), False))
-    assert varying(a, lay((("boxes",), (5, 4), False), (("feat",), (8,), False))) == {"boxes"}
-    assert varying(a, lay((("boxes",), (4,), True), (("feat",), (8,), False))) == {"boxes"}
+    assert varying(a, lay((("boxes",), (5, 4), False), (("feat",), (8,), False))) == {("boxes",)}
+    assert varying(a, lay((("boxes",), (4,), True), (("feat",), (8,), False))) == {("boxes",)}
     assert common_layout(a, lay((("boxes",), (0, 4), False), (("feat",), (9,), False))).describe() == (
         "{boxes: float32[*, 4], feat: float32[*]}"
     )
@@ -47,6 +47,15 @@ def test_only_a_first_dim_or_raggedness_may_differ():
         assert varying(a, other) is None and common_layout(a, other) is None
     scalar = Layout("tensor", None, (Leaf((), torch.float32, ()),))
     assert varying(scalar, Layout("tensor", None, (Leaf((), torch.float32, (2,)),))) is None  # a scalar has no rows
+    crops = Layout("tree", None, (Leaf(("x",), torch.float32, (3, 4)),), batch_dims=(3,))
+    plain = Layout("tree", None, (Leaf(("x",), torch.float32, (3, 4)),))  # batch [B], not [B, 3]: another type
+    assert varying(crops, plain) is None and common_layout(crops, plain) is None
+    assert [t.describe() for t in schema([crops, plain])] == [
+        "{x: float32[3, 4]}",
+        "{x: float32[3, 4]} with batch dims [3]",
+    ]
+    five = Layout("tree", None, (Leaf(("x",), torch.float32, (5, 4)),), batch_dims=(5,))  # crops that vary: ragged
+    assert common_layout(crops, five) == Layout("tree", None, (Leaf(("x",), torch.float32, (4,), True),))
 
 
 @pytest.mark.parametrize("form", ["update", "list", "model"])
@@ -68,7 +77,7 @@ def test_a_first_dim_that_changes_at_the_second_add_of_a_filename_makes_it_ragge
     got = tdgather.gather(store)["v.mp4"]
     assert [t.shape[0] for t in got.frames["boxes"].unbind()] == [7, 7, 3, 0]
     ds = tdgather.open(tdgather.save(tdgather.gather(store), tmp_path / "ds"))
-    assert ds.index["version"] == 7 and ds.layout("v.mp4").describe() == "{boxes: float32[*, 4], scores: float32[*]}"
+    assert ds.index["version"] == 8 and ds.layout("v.mp4").describe() == "{boxes: float32[*, 4], scores: float32[*]}"
     assert ds.lengths("v.mp4")["boxes"].tolist() == [7, 7, 3, 0]
 
 
@@ -126,13 +135,16 @@ def test_a_copy_written_fixed_is_compared_with_a_later_ragged_one_and_a_conflict
 
 def test_an_old_reader_is_told_the_version_and_version_5_indexes_still_read(tmp_path):
     out = tdgather.save(tdgather.gather({"a": [(0, torch.ones(2))]}), tmp_path / "ds")
-    assert tdgather.open(out).index["version"] == 7  # 6's rules, with each shard's CRC-32
+    assert tdgather.open(out).index["version"] == 8  # 6's rules, with each shard's CRC-32 and the schema
     import json
 
     index = json.loads((out / "tdgather.index.json").read_text())
-    index["version"] = 5  # what tdgather wrote before: one layout per filename, still read
-    (out / "tdgather.index.json").write_text(json.dumps(index))
-    assert tdgather.open(out)["a"].frames.tolist() == [[1.0, 1.0]]
+    index.pop("schema")  # what tdgather wrote before: no schema (7, 6), one layout per filename (5): still read
+    for version in (7, 5):
+        index["version"] = version
+        (out / "tdgather.index.json").write_text(json.dumps(index))
+        ds = tdgather.open(out)
+        assert ds["a"].frames.tolist() == [[1.0, 1.0]] and [t.describe() for t in ds.schema] == ["float32[2]"]
 
 
 @pytest.mark.world
@@ -149,7 +161,7 @@ def test_collector_with_no_ragged_declaration_and_spills_before_counts_vary(tmp_
     later (small spills alone are gathered into one shard)."""
     shard = 1 << 10 if budget < 1 << 20 else 1 << 30
     out = run_local_world(pc.case_collector, 3, str(tmp_path / "ds"), form, budget, 4096, None, shard, timeout=180)[0]
-    assert out["files"] == len(pc.NAMES) and out["version"] == 7
+    assert out["files"] == len(pc.NAMES) and out["version"] == 8
     if budget < 1 << 20:
         assert out["shards"] > 2
         assert "{boxes: float32[2, 4], feat: float32[8], scores: float32[2]}" not in out["stored"]  # joined
@@ -165,7 +177,7 @@ def test_resume_of_a_run_whose_first_attempt_wrote_the_leaf_fixed(tmp_path):
 @pytest.mark.world
 def test_many_writers_where_one_writer_saw_only_equal_counts(tmp_path):
     out = run_local_world(pc.case_collector, 4, str(tmp_path / "ds"), "model", 1 << 30, None, 2, timeout=180)[0]
-    assert out["files"] == len(pc.NAMES) and out["version"] == 7
+    assert out["files"] == len(pc.NAMES) and out["version"] == 8
 
 
 @pytest.mark.world
@@ -178,8 +190,9 @@ def test_ragged_false_refuses_a_changing_first_dim_on_the_rank_that_can_know(tmp
     assert out[0]["type"] == "ShapeMismatchError" and "ragged=False" in out[0]["msg"], out
     if where == "rank":  # rank 0 met it in its own add (rank 1 in its own, or rank 0's failure first)
         assert "frames on rank 0 have" in out[0]["msg"] and out[1]["type"] in ("ShapeMismatchError", "PeerError")
-    else:  # each rank saw one count: rank dst finds it, naming both ranks
+    else:  # each rank saw one count: rank dst finds it, naming both ranks; rank 1 is told to fix what ranks sent
         assert re.search(r"rank 0 sent .* but rank 1 sent", out[0]["msg"]), out
+        assert out[1]["type"] == "PeerError" and "fix what they send and rerun" in out[1]["msg"], out
     assert tdgather.open(tmp_path / "ds", incomplete=True).metadata["failure"]["type"] == "ShapeMismatchError"
 
 
@@ -234,3 +247,10 @@ def test_a_list_batch_of_filenames_whose_layouts_differ_is_split_by_filename():
     with pytest.raises(ShapeMismatchError, match=r"filename 'c.mp4', frame_idx 1: add\(\) frames: frame 1"):
         store.add(["c.mp4", "c.mp4"], [0, 1], [{"masks": masks[0]}, {"masks": masks[1]}])
     assert len(store) == 3  # nothing of a refused batch was kept
+
+
+def test_a_dotted_key_and_a_nested_path_are_two_leaves():
+    """``{"a.b": x}`` varies, ``{"a": {"b": y}}`` is always [5, 4]: only the first is made ragged."""
+    got = tdgather.gather({f"f{k}.mp4": (0, {"a.b": torch.rand(k, 4), "a": {"b": torch.rand(5, 4)}}) for k in (2, 3)})
+    frames = got["f2.mp4"].frames
+    assert frames["a.b"].is_nested and not frames["a", "b"].is_nested and frames["a", "b"].shape == (1, 5, 4)

@@ -299,11 +299,11 @@ def test_nan_in_the_index_is_refused(tmp_path, constant):
         tdgather.open(out)
 
 
-@pytest.mark.parametrize("version, got", [(8, "8"), (0, "0"), ("2", "'2'"), (True, "True"), (None, "None")])
+@pytest.mark.parametrize("version, got", [(9, "9"), (0, "0"), ("2", "'2'"), (True, "True"), (None, "None")])
 def test_an_unknown_version_is_refused_saying_which_this_tdgather_reads(tmp_path, version, got):
     out = save(tmp_path)
     edit(out, lambda index: index.update(version=version))
-    wanted = r"1, 2, 3, 4, 5, 6 or 7 \(this tdgather reads index version 1, 2, 3, 4, 5, 6 or 7 only\)"
+    wanted = r"1, 2, 3, 4, 5, 6, 7 or 8 \(this tdgather reads index version 1, 2, 3, 4, 5, 6, 7 or 8 only\)"
     with pytest.raises(DatasetError, match=rf"version: expected {wanted}, got {got}"):
         tdgather.open(out)
 
@@ -461,7 +461,7 @@ def test_segments_of_one_filename_must_share_a_layout(tmp_path):
         r"one that differs only in a leaf's first dim\), got 'g1'",
     ):
         tdgather.open(out)
-    edit(out, lambda i: i.update(version=5))  # before version 6, a filename's segments have one layout
+    edit(out, lambda i: i.update(version=5) or i.pop("schema"))  # before 6, a filename's segments have one layout
     with pytest.raises(DatasetError, match=r"expected the layout of the earlier segments, float32\[2\], got 'g1'"):
         tdgather.open(out)
 
@@ -628,7 +628,7 @@ def test_json_lines_must_be_json_scalars(tmp_path, line, match):
 def test_a_tensorclass_that_no_longer_fits_is_read_as_a_tensordict(tmp_path):
     out = save(tmp_path, nested())
     cls = "tdgather.core.frames:Frames"  # imported, a tensorclass, with other fields
-    edit(out, lambda i: i["shards"][SHARD]["groups"]["g0"].update(cls=cls))
+    edit(out, lambda i: [x.update(cls=cls) for x in (i["shards"][SHARD]["groups"]["g0"], *i["schema"])])
 
     def meta(m):
         groups = json.loads(m["groups"])
@@ -1074,3 +1074,29 @@ def test_an_index_of_version_3_must_name_its_run(tmp_path):
     edit(out, lambda index: index["metadata"].update(run="another"))
     with pytest.raises(DatasetError, match=r"shard-00000.safetensors: __metadata__.run: expected run 'another'"):
         tdgather.open(out)["a"]
+
+
+def _type(shape):
+    return {"kind": "tensor", "cls": None, "leaves": [{"path": [], "dtype": "float32", "shape": shape}], "json": []}
+
+
+@pytest.mark.parametrize(
+    "schema, match",
+    [
+        ([], r"schema: expected one type that frames stored as float32\[2\] read as, got 'none'"),
+        ([_type([3])], r"schema: expected one type that frames stored as float32\[2\] read as, got 'none'"),
+        ([_type([2]), _type([2])], r"got 'float32\[2\] and float32\[2\]'"),
+        ([_type([2]), _type([3])], r"schema\[1\]: expected a type some group's frames read as, got 'float32\[3\]'"),
+        ("x", r"schema: expected a list"),
+        ([_type([2]) | {"kind": "bogus"}], r"schema\[0\].kind: expected 'tensor' or 'tree', got 'bogus'"),
+    ],
+)
+def test_a_schema_edited_by_hand_is_refused_naming_the_field(tmp_path, schema, match):
+    out = save(tmp_path)
+    assert load_index(out)["schema"] == [_type([2])]
+    edit(out, lambda i: i.update(schema=schema))
+    with pytest.raises(DatasetError, match=match):
+        tdgather.open(out)
+    edit(out, lambda i: i.pop("schema"))
+    with pytest.raises(DatasetError, match=r"index: expected an object with keys \['files', 'format', 'metadata', "):
+        tdgather.open(out)

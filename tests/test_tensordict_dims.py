@@ -321,5 +321,5 @@ def _name_class(out: Path, cls: str) -> None:
         groups["g0"]["cls"] = cls
         m["groups"] = json.dumps(groups)
 
-    edit(out, lambda i: i["shards"][SHARD]["groups"]["g0"].update(cls=cls))
+    edit(out, lambda i: [x.update(cls=cls) for x in (i["shards"][SHARD]["groups"]["g0"], *i["schema"])])
     rewrite_shard(out / SHARD, metadata=meta)

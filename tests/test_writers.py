@@ -59,7 +59,7 @@ def test_many_writers_write_the_single_writer_dataset(tmp_path, scenario, k):
     assert many[0] == one[0]  # frames, frames per rank, duplicates
     assert_same_as_one_writer(tmp_path / "many", tmp_path / "one")
     ds = tdgather.open(tmp_path / "many")
-    assert ds.index["version"] == 7 and tdgather.open(tmp_path / "one").index["version"] == 7  # checksums
+    assert ds.index["version"] == 8 and tdgather.open(tmp_path / "one").index["version"] == 8  # checksums
     assert all(type(entry["crc32"]) is int for entry in ds.index["shards"].values())  # as each writer wrote it
     assert ds.verify() == len(ds.index["shards"])
     writers = {name.split("-")[1] for name in ds.index["shards"]}

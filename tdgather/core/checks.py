@@ -134,7 +134,7 @@ def decode_layout(obj: Any, c: FieldCheck, field: str) -> Layout:
     layout = Layout.from_json(obj)
     if layout.kind == "tensor" and (len(layout.leaves) != 1 or layout.leaves[0].path or layout.nontensor):
         raise c.fail(field, "one tensor leaf at the root for kind 'tensor'", obj)
-    if layout.kind == "tree":  # paths `frames.rebuild` can set: distinct, non-empty, none inside another
+    if layout.kind == "tree":  # paths `rebuild.rebuild` can set: distinct, non-empty, none inside another
         paths = sorted([leaf.path for leaf in layout.leaves] + list(layout.nontensor))
         for a, b in zip([None, *paths], paths, strict=False):
             if not b or (a is not None and b[: len(a)] == a):

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ShapeMismatchError, UnsupportedValueError
-from .frames import Layout, RaggedSpec, flatten
+from .flatten import flatten
+from .frames import Layout, RaggedSpec
 from .promote import SAME_LAYOUT, ragged_hint
 from .ragged import Ragged
 

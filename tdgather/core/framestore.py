@@ -50,8 +50,9 @@ from typing import Any
 import torch
 
 from ..errors import ShapeMismatchError, UnsupportedValueError
+from .flatten import check_ragged_names, flatten
 from .forms import Bucket, as_pairs, by_filename, declared_fixed, join_frames, mismatch, not_a_pair, ragged_spec
-from .frames import Layout, RaggedSpec, check_ragged_names, flatten
+from .frames import Layout, RaggedSpec
 from .inputs import as_index, check_filenames
 from .layoutgroup import Chunk, LayoutGroup, is_plain_index, unflagged
 from .part import Part

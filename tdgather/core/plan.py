@@ -28,10 +28,11 @@ import torch
 
 from ..errors import ShapeMismatchError
 from .duplicates import DuplicateCounts, compare, conflict
-from .frames import Frames, Layout, rebuild
+from .frames import Frames, Layout
 from .part import Part
 from .promote import SAME_LAYOUT, ragged_hint, unify
 from .ragged import Ragged, offsets_of
+from .rebuild import rebuild
 from .scatter import ValuePlaces
 
 __all__ = [

@@ -6,8 +6,9 @@ the frames are one layout again. This holds wherever the two meet: in one rank's
 dst across ranks (`unify`, before placing), against frames written earlier, and on read.
 
 A leaf name has one type across a dataset, decided by every frame of it (`ragged_names`): a leaf
-ragged anywhere, or whose first dim differs between any two frames (of one filename or of two),
-is ragged in every layout that has it. A fixed column
+ragged anywhere, or whose first dim differs between any two frames (of one filename or of two,
+whatever their other dims), is ragged in every layout that has it. Leaves are named by their path
+(a tuple of keys), so ``{"a.b": x}`` and ``{"a": {"b": y}}`` are two leaves. A fixed column
 converts to a ragged one without a copy (`promote_columns`, `promote_part`): its values are the
 same bytes, and each frame's row count is its first dim. A dim other than the first, a dtype or
 the set of keys never fits.
@@ -28,12 +29,13 @@ from .ragged import Ragged
 __all__ = [
     "SAME_LAYOUT",
     "common_layout",
-    "dotted",
     "promote",
     "promote_columns",
     "promote_part",
     "ragged_hint",
     "ragged_names",
+    "schema",
+    "type_of",
     "unify",
     "varying",
 ]
@@ -46,9 +48,7 @@ SAME_LAYOUT = (
 )
 
 
-def dotted(leaf: Leaf) -> str:
-    """A leaf's name as ``ragged=`` takes it: its dotted path (``""`` for a plain tensor)."""
-    return ".".join(leaf.path)
+Path = tuple[str, ...]  # a leaf's keys; () for a plain tensor
 
 
 def _row(x: Leaf) -> tuple | None:
@@ -56,12 +56,12 @@ def _row(x: Leaf) -> tuple | None:
     return (x.dtype, x.shape) if x.ragged else (x.dtype, x.shape[1:]) if x.shape else None
 
 
-def varying(a: Layout, b: Layout) -> frozenset[str] | None:
-    """The leaves that make ``a`` and ``b`` differ, when only first dims or raggedness do; else None.
+def varying(a: Layout, b: Layout) -> frozenset[Path] | None:
+    """The leaves (paths) that make ``a`` and ``b`` differ, when only first dims or raggedness do; else None.
 
     >>> fixed = Layout("tree", None, (Leaf(("boxes",), torch.float32, (3, 4)),))
     >>> sorted(varying(fixed, Layout("tree", None, (Leaf(("boxes",), torch.float32, (5, 4)),))))
-    ['boxes']
+    [('boxes',)]
     >>> varying(fixed, Layout("tree", None, (Leaf(("boxes",), torch.float32, (3, 5)),))) is None
     True
     """
@@ -76,33 +76,67 @@ def varying(a: Layout, b: Layout) -> frozenset[str] | None:
         if x != y:
             if _row(x) is None or _row(x) != _row(y):
                 return None
-            out.add(dotted(x))
+            out.add(x.path)
+    if not out:  # equal leaves, other batch dims ([B, 3] and [B] TensorDicts of [3, ...] leaves): two types
+        return None
     return frozenset(out)
 
 
-def ragged_names(layouts: Iterable[Layout]) -> frozenset[str]:
-    """The leaves (dotted) that frames of these layouts hold as ragged: one type per leaf name.
+def ragged_names(layouts: Iterable[Layout]) -> frozenset[Path]:
+    """The leaves (paths) that frames of these layouts hold as ragged: one type per leaf name.
 
     A leaf is ragged when it is ragged in any layout, and when its first dim differs between two
-    layouts in which it is the same leaf (a plain tensor, or one key of a tree) with the same dtype
-    and other dims: two filenames of one frame each, or two batches. A leaf of one value per frame
-    (``[]``), a leaf whose other dims differ, and one whose first dim is equal everywhere (0
-    included: a detector that found nothing) keep their layouts.
+    layouts in which it has the same dtype and number of dims, whatever its other dims: two
+    filenames of one frame each, two batches, masks ``[n, 1, H, W]`` of images of two sizes. A leaf
+    of one value per frame (``[]``) has no first dim; one whose first dim is equal everywhere (0
+    included: a detector that found nothing) keeps its layouts, as does a leaf of ``[2]`` in one
+    filename and ``[4, 2]`` in another (two kinds of value, not rows of one).
 
     >>> tokens = [Layout("tree", None, (Leaf(("tokens",), torch.int64, (n,)),)) for n in (7, 5)]
     >>> sorted(ragged_names(tokens)), sorted(ragged_names(tokens[:1]))
-    (['tokens'], [])
+    ([('tokens',)], [])
     """
-    ragged: set[str] = set()
-    firsts: dict[tuple, set[int]] = {}
+    ragged: set[Path] = set()
+    firsts: dict[tuple[Path, torch.dtype, int], set[int]] = {}
     for layout in layouts:
         for x in layout.leaves:
             if x.ragged:
-                ragged.add(dotted(x))
+                ragged.add(x.path)
             elif x.shape:
-                firsts.setdefault((layout.kind, x.path, x.dtype, x.shape[1:]), set()).add(x.shape[0])
-    ragged.update(".".join(path) for (_, path, _, _), dims in firsts.items() if len(dims) > 1)
+                firsts.setdefault((x.path, x.dtype, len(x.shape)), set()).add(x.shape[0])
+    ragged.update(path for (path, _, _), dims in firsts.items() if len(dims) > 1)
     return frozenset(ragged)
+
+
+def schema(layouts: Iterable[Layout], fixed: bool = False) -> tuple[Layout, ...]:
+    """The frame types of a dataset whose groups have ``layouts``: each promoted by `ragged_names`, distinct.
+
+    ``fixed`` (frames declared ``ragged=False``): only leaves ragged somewhere are made ragged, so
+    filenames whose first dims differ keep types of their own. Sorted by description, so that the
+    same groups always give the same schema.
+
+    >>> tokens = [Layout("tree", None, (Leaf(("tokens",), torch.int64, (n,)),)) for n in (7, 5)]
+    >>> [t.describe() for t in schema(tokens)], [t.describe() for t in schema(tokens, fixed=True)]
+    (['{tokens: int64[*]}'], ['{tokens: int64[5]}', '{tokens: int64[7]}'])
+    """
+    layouts = list(dict.fromkeys(layouts))
+    if fixed:
+        names = frozenset(x.path for layout in layouts for x in layout.leaves if x.ragged)
+    else:
+        names = ragged_names(layouts)
+    return tuple(sorted(dict.fromkeys(promote(x, names) for x in layouts), key=lambda t: (t.describe(), repr(t))))
+
+
+def type_of(stored: Layout, types: Iterable[Layout]) -> list[Layout]:
+    """The types of ``types`` that frames stored as ``stored`` read as: one, in a schema `schema` made.
+
+    A type fits when it is ``stored`` with some leaves made ragged (`promote`).
+
+    >>> fixed = Layout("tree", None, (Leaf(("tokens",), torch.int64, (7,)),))
+    >>> [t.describe() for t in type_of(fixed, schema([fixed, promote(fixed, {("tokens",)})]))]
+    ['{tokens: int64[*]}']
+    """
+    return [t for t in types if promote(stored, {x.path for x in t.leaves if x.ragged}) == t]
 
 
 def common_layout(a: Layout, b: Layout) -> Layout | None:
@@ -111,17 +145,17 @@ def common_layout(a: Layout, b: Layout) -> Layout | None:
     return None if names is None else promote(a, names)
 
 
-def promote(layout: Layout, ragged: Collection[str]) -> Layout:
-    """``layout`` with its leaves named in ``ragged`` made ragged (those with a first dim; others stay).
+def promote(layout: Layout, ragged: Collection[Path]) -> Layout:
+    """``layout`` with its leaves whose paths are in ``ragged`` made ragged (those with a first dim; others stay).
 
     >>> lay = Layout("tree", None, (Leaf(("boxes",), torch.float32, (7, 4)), Leaf(("score",), torch.float32, ())))
-    >>> promote(lay, {"boxes", "score"}).describe()
+    >>> promote(lay, {("boxes",), ("score",)}).describe()
     '{boxes: float32[*, 4], score: float32[]}'
     """
     if not ragged:
         return layout
     leaves = tuple(
-        replace(x, shape=x.shape[1:], ragged=True) if not x.ragged and x.shape and dotted(x) in ragged else x
+        replace(x, shape=x.shape[1:], ragged=True) if not x.ragged and x.shape and x.path in ragged else x
         for x in layout.leaves
     )
     return layout if leaves == layout.leaves else replace(layout, leaves=leaves)
@@ -178,8 +212,9 @@ def ragged_hint(a: Layout, b: Layout) -> str:
     names = varying(a, b)
     if not names:
         return ""
+    dotted = sorted(".".join(path) for path in names)
     return (
-        f"; only the first dim of {sorted(names)} changes: that is allowed (those leaves become ragged) unless "
+        f"; only the first dim of {dotted} changes: that is allowed (those leaves become ragged) unless "
         "the frames are declared fixed with ragged=False, as these were"
     )
 

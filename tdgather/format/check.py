@@ -10,6 +10,7 @@ still reads only its rows. Every refusal is a `DatasetError` naming the file and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -20,9 +21,19 @@ import torch
 from ..core.checks import FieldCheck, decode_layout, strict_json
 from ..core.dtypes import SAFETENSORS_CODE, dtype_name
 from ..core.frames import Layout
-from ..core.promote import common_layout, ragged_names
+from ..core.promote import common_layout, schema, type_of
 from ..errors import DatasetError
-from .names import FORMAT, INDEX_VERSION, RAGGED_VERSION, SHARD_NAME, SHARD_VERSIONS, VERSIONS, GroupNames, group_names
+from .names import (
+    FORMAT,
+    INDEX_VERSION,
+    RAGGED_VERSION,
+    SCHEMA_VERSION,
+    SHARD_NAME,
+    SHARD_VERSIONS,
+    VERSIONS,
+    GroupNames,
+    group_names,
+)
 from .records import Failure, FileEntry, Segment, ShardEntry
 
 __all__ = [
@@ -103,15 +114,22 @@ class IndexPlan:
         layouts: each filename's layout (of all its segments: joined, where their layouts differ in first dims).
         groups: each ``(shard, group)``'s layout.
         needs: per ``(shard, group)``, the rows its segments reach and the field of the segment reaching furthest.
-        ragged: the leaves (dotted) the dataset holds as ragged, decided by every group's layout
-            (`tdgather.core.promote.ragged_names`: ragged anywhere, or a first dim that differs
-            between two frames).
+        schema: the dataset's frame types: the index's ``schema`` (version 8 on), else what
+            `tdgather.core.promote.schema` makes of the groups (a leaf ragged anywhere, or whose
+            first dim differs between two frames, is ragged in every type).
+        types: each layout of ``groups`` and ``layouts``, and the type of ``schema`` its frames read as.
     """
 
     layouts: dict[str, Layout]
     groups: dict[tuple[str, str], Layout]
     needs: dict[tuple[str, str], tuple[int, str]]
-    ragged: frozenset[str] = frozenset()
+    schema: tuple[Layout, ...] = ()
+    types: dict[Layout, Layout] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ragged(self) -> frozenset[str]:
+        """The leaves (dotted) ragged in some type of the schema."""
+        return frozenset(".".join(x.path) for t in self.schema for x in t.leaves if x.ragged)
 
 
 def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
@@ -124,7 +142,8 @@ def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
     if type(version) is not int or version not in VERSIONS:
         wanted = ", ".join(map(str, VERSIONS[:-1])) + f" or {VERSIONS[-1]}"
         raise c.fail("version", f"{wanted} (this tdgather reads index version {wanted} only)", version)
-    c.obj(index, "index", {"format", "version", "metadata", "shards", "files"})
+    top = {"format", "version", "metadata", "shards", "files"}
+    c.obj(index, "index", top | {"schema"} if version >= SCHEMA_VERSION else top)
     meta = c.mapping(index["metadata"], "metadata")  # user keys are the user's: only ours are checked
     totals = {k: c.int(meta.get(k), f"metadata.{k}") for k in ("total_frames", "total_bytes", "num_filenames")}
     if incomplete:
@@ -194,7 +213,29 @@ def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
     ):
         if totals[what] != want:
             raise c.fail(f"metadata.{what}", f"{want}, as the shards and files say", totals[what])
-    return IndexPlan(layouts, groups, needs, ragged_names({*groups.values(), *joins}))
+    stored = {*groups.values(), *joins}
+    if version >= SCHEMA_VERSION:
+        types = [check_layout(x, c, f"schema[{k}]") for k, x in enumerate(c.list(index["schema"], "schema"))]
+    else:
+        types = list(schema(stored))
+    return IndexPlan(layouts, groups, needs, tuple(types), _types_of(stored, types, c))
+
+
+def _types_of(stored: set[Layout], types: list[Layout], c: Check) -> dict[Layout, Layout]:
+    """Each stored layout's one type of ``types``; every type must be some layout's."""
+    out = {}
+    for layout in stored:
+        fits = type_of(layout, types)
+        if len(fits) != 1:
+            what = "none" if not fits else " and ".join(t.describe() for t in fits)
+            raise c.fail("schema", f"one type that frames stored as {layout.describe()} read as", what)
+        out[layout] = fits[0]
+    for k, t in enumerate(types):
+        if t not in out.values():
+            raise c.fail(f"schema[{k}]", "a type some group's frames read as", t.describe())
+    if len(set(types)) != len(types):
+        raise c.fail("schema", "distinct types", [t.describe() for t in types])
+    return out
 
 
 def shard_groups(f: Any, c: Check) -> dict:

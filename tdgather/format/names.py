@@ -33,6 +33,7 @@ __all__ = [
     "CRC32_MAX",
     "CRC32_VERSION",
     "RAGGED_VERSION",
+    "SCHEMA_VERSION",
     "RUN_TAG",
     "shard_run",
     "shard_tag",
@@ -129,7 +130,8 @@ CHECKSUM_VERSION = 5  # ... shards listed with their size (and sha256); names ma
 # whether it is ragged (the leaf reads as ragged)
 RAGGED_VERSION = 6
 CRC32_VERSION = 7  # ... a local directory's shards listed with their CRC-32 too
-VERSIONS = (1, 2, INDEX_VERSION, WRITERS_VERSION, CHECKSUM_VERSION, RAGGED_VERSION, CRC32_VERSION)  # what it reads
+SCHEMA_VERSION = 8  # ... the index records the dataset's schema: its frame types, each leaf's type in them
+VERSIONS = (1, 2, INDEX_VERSION, WRITERS_VERSION, CHECKSUM_VERSION, RAGGED_VERSION, CRC32_VERSION, SCHEMA_VERSION)
 SHARD_VERSION = "2"  # a shard's __metadata__.version: how its tensors are named (below)
 SHARD_VERSIONS = ("1", SHARD_VERSION)  # the shard versions this tdgather reads
 INDEX_NAME = "tdgather.index.json"  # written last: its presence means "complete"
@@ -193,14 +195,13 @@ def next_number(names: Iterable[str], writer: int | None) -> int:
 
 
 def index_version(shards: Mapping[str, Mapping]) -> int:
-    """The index version of a dataset of these shards (name -> entry).
+    """The index version of a dataset of these shards (name -> entry), as this tdgather writes it.
 
-    7 when each is listed with its size and one is with its CRC-32 (a local directory's, written
-    since); 6 when each is listed with its size (and, in an object store, sha256): every writer since
-    version 5 lists them; else 4 when a name carries its writer, else 3.
+    8 (`SCHEMA_VERSION`: the index records its schema) when each is listed with its size, as every
+    writer since version 5 lists them; else 4 when a name carries its writer, else 3 (no shard).
     """
     if shards and all("size" in entry for entry in shards.values()):
-        return CRC32_VERSION if any("crc32" in entry for entry in shards.values()) else RAGGED_VERSION
+        return SCHEMA_VERSION
     return WRITERS_VERSION if any(shard_numbers(name)[0] is not None for name in shards) else INDEX_VERSION
 
 

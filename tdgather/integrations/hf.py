@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from ..core.dtypes import dtype_name
-from ..core.frames import Layout, flatten
+from ..core.flatten import flatten
+from ..core.frames import Layout
 from ..core.ragged import Ragged
 from ..errors import ExportError, TdgatherError
 from ..storage.reader import Dataset
@@ -125,9 +126,14 @@ def _tensor_feature(value: str, shape: tuple[int | None, ...], ragged: bool) -> 
     """The ``datasets`` feature of a tensor leaf: Value, List, ArrayND, or nested Lists.
 
     A dim of a known size is a fixed-size list; a dim that varies between filenames, or of size 0
-    (Arrow has no fixed-size list of 0), a list of any size.
+    (Arrow has no fixed-size list of 0), a list of any size. A first dim of 0 (a detector that found
+    nothing anywhere) is exported as a ragged leaf's rows are, so that the column's type does not
+    depend on whether some frame had a row.
     """
     from datasets import Array2D, Array3D, Array4D, Array5D, List, Value
+
+    if not ragged and shape[:1] == (0,):
+        return _tensor_feature(value, shape[1:], True)
 
     arrays = {2: Array2D, 3: Array3D, 4: Array4D, 5: Array5D}
     dims = (None, *shape) if ragged else shape

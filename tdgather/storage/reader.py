@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
-from ..core.frames import Frames, Layout, rebuild
-from ..core.promote import promote, promote_columns
+from ..core.frames import Frames, Layout
+from ..core.promote import promote_columns
 from ..core.ragged import Ragged
+from ..core.rebuild import rebuild
 from ..errors import OutputError
 from ..format.check import (
     Check,
@@ -67,6 +68,10 @@ class Dataset(Mapping[str, Frames]):
         path: the dataset directory.
         index: the parsed ``tdgather.index.json``.
         metadata: totals and user metadata; for an incomplete dataset, ``metadata["failure"]``.
+        schema: the types of frame the dataset holds (`Layout`s, usually one), as the index records
+            them (index version 8 on; worked out from the groups for an older index): every
+            filename's frames read as one of them (`layout`), so a leaf name has one type.
+        ragged_leaves: the leaves (dotted keys) ragged in the schema.
     """
 
     # ``ds.to_hf(cache_dir=None, *, filenames=None)``, the frames as a Hugging Face dataset: the package
@@ -112,8 +117,9 @@ class Dataset(Mapping[str, Frames]):
         self.metadata: dict[str, Any] = self.index["metadata"]
         self._files: dict[str, dict] = self.index["files"]
         self._run = index_run(self.index, self._index)  # every shard opened must be of this run
-        # leaves ragged in any group, or in a filename whose segments' layouts join: ragged in every filename
+        self.schema: tuple[Layout, ...] = tuple(map(self._as_read, self._plan.schema))
         self.ragged_leaves = self._plan.ragged
+        self._as_stored = all(t is k or t == k for k, t in self._plan.types.items())  # each group read as stored
         self._open: OrderedDict[str, OpenShard] = OrderedDict()  # by shard name, least recently used first
         self._lock = threading.Lock()
 
@@ -165,12 +171,16 @@ class Dataset(Mapping[str, Frames]):
     def layout(self, name: str) -> Layout:
         """The layout (structure, dtypes, per-frame shapes) of a filename, without reading data.
 
-        A leaf ragged in any filename of the dataset is ragged here too (`ragged_leaves`), so a leaf
-        name has one type across the dataset: frames stored fixed read as that many rows each.
-        Opened with ``tensorclass=False``, it names no tensorclass: frames are read as TensorDicts.
+        It is one of the dataset's `schema`: a leaf ragged in any filename of the dataset is ragged
+        here too (`ragged_leaves`), so a leaf name has one type across the dataset: frames stored
+        fixed read as that many rows each. Opened with ``tensorclass=False``, it names no
+        tensorclass: frames are read as TensorDicts.
         """
         stored = self._plan.layouts[name]
-        layout = promote(stored, self.ragged_leaves) if self.ragged_leaves else stored
+        return self._as_read(stored if self._as_stored else self._plan.types[stored])
+
+    def _as_read(self, layout: Layout) -> Layout:
+        """``layout`` as frames are read: without its tensorclass when opened with ``tensorclass=False``."""
         return layout if self.tensorclass or layout.cls is None else replace(layout, cls=None)
 
     def stored_layout(self, name: str) -> Layout:
@@ -323,7 +333,7 @@ class Dataset(Mapping[str, Frames]):
             value = rebuild(layout, count, tensors, json_values)
         except (KeyError, ValueError, TypeError) as e:  # leaves that do not make it
             raise self._index.fail(f"files{key(name)}", f"leaves that make {layout.describe()}", str(e)) from e
-        return Frames(frame_idx=idx, frames=value, batch_size=[count])
+        return Frames._of(idx, value)
 
 
 def _hint(path: Path) -> str:

@@ -86,7 +86,9 @@ _NESTED = _nested_constructor()
 def nested(column: Ragged) -> torch.Tensor:
     """A `Ragged` read from a shard as a jagged nested tensor ``[T, j, ...]``: what `Ragged.to_nested` gives, sooner."""
     values, offsets = column.values, column.offsets
-    if _NESTED is None or not len(column) or int(offsets[0]) != 0 or values.shape[0] != int(offsets[-1]):
+    n = offsets.shape[0]
+    ends = offsets.tolist() if n <= _FEW else (int(offsets[0]), int(offsets[-1]))  # ints: one call for a few
+    if _NESTED is None or n < 2 or ends[0] != 0 or values.shape[0] != ends[-1]:
         return column.to_nested()
     return _NESTED(values, offsets)
 

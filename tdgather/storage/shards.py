@@ -29,7 +29,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..core.frames import Layout, flatten
+from ..core.flatten import flatten
+from ..core.frames import Layout
 from ..core.ragged import Ragged, joined, offsets_of
 from ..format.limits import SHARD_HEADER_MAX, segment_record_bytes
 from ..format.names import SHARD_VERSION, group_names

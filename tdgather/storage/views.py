@@ -28,8 +28,9 @@ from typing import Any, Protocol
 import torch
 import torch.utils.data
 
-from ..core.frames import Layout, rebuild, rebuild_one
+from ..core.frames import Layout
 from ..core.ragged import Ragged
+from ..core.rebuild import rebuild, rebuild_one
 from ..errors import DatasetError
 from ..format.check import key
 from ..format.names import escape_key

@@ -31,14 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from ..core.duplicates import DuplicateCounts, DuplicatePolicy
-from ..core.frames import Frames
+from ..core.frames import Frames, Layout
 from ..core.gcpause import collection_paused
 from ..core.plan import Mismatches
+from ..core.promote import schema
 from ..errors import FrameConflictError, OutputError
 from ..format.codec import encode
 from ..format.names import (
     FORMAT,
     INCOMPLETE_NAME,
+    SCHEMA_VERSION,
     index_version,
     next_number,
     shard_name,
@@ -359,6 +361,9 @@ class DatasetWriter:
         )
         version = index_version(self.shards)
         index = {"format": FORMAT, "version": version, "metadata": meta.to_json(), "shards": self.shards}
+        if version >= SCHEMA_VERSION:  # the frame types every group's frames read as, one per structure
+            stored = {Layout.from_json(g) for entry in self.shards.values() for g in entry["groups"].values()}
+            index["schema"] = [t.to_json() for t in schema(stored, fixed=self.fixed)]
         head = json.dumps(index, ensure_ascii=False, allow_nan=False)
         yield (head[:-1] + ', "files": ').encode()
         for piece in self.catalog.json_chunks():

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from ..storage.reader import Dataset
 
-    ds = Dataset(args.path, incomplete=args.incomplete, storage_options=args.storage_options)
+    # --frames reads values: as TensorDicts, so that a tensorclass this process cannot import is no warning
+    ds = Dataset(args.path, args.incomplete, args.storage_options, tensorclass=args.frames is None)
     checked = ds.verify(checksums=args.verify)  # every header, against the index; --verify: every byte too
     status = _report_verified(ds, args, checked) if args.verify else 0
     if args.frames is not None:
@@ -88,6 +90,7 @@ def _inspect(args: argparse.Namespace) -> int:
         f"total: {m['num_filenames']} filenames, {m['total_frames']} frames, {_size(m['total_bytes'])} "
         f"in {len(ds.index['shards'])} shard(s)"
     )
+    _print_schema(ds)
     _print_shards(ds, args.all)
     _print_duplicates(m)
     _print_attempts(m)
@@ -113,6 +116,14 @@ def _report_verified(ds: Any, args: argparse.Namespace, checked: int) -> int:
         file=sys.stderr,
     )
     return 1
+
+
+def _print_schema(ds: Any) -> None:
+    """The dataset's frame types (``*``: a ragged leaf's rows per frame) and how many filenames have each."""
+    count = Counter(ds.layout(name) for name in ds)
+    print(f"schema: {len(ds.schema)} type(s) of frame")
+    for t in ds.schema:
+        print(f"  {t.describe()}  ({count[t]} filename(s))")
 
 
 def _print_shards(ds: Any, every: bool, limit: int = 10) -> None:
@@ -153,7 +164,7 @@ def _print_attempts(m: dict) -> None:
 
 def _inspect_frames(ds: Any, name: str) -> int:
     """One filename: its frame indexes as runs, its segments, and each leaf's value statistics."""
-    from ..core.frames import flatten
+    from ..core.flatten import flatten
     from ..core.ragged import Ragged
     from ..storage.views import column_label, frame_ranges
 
