@@ -187,13 +187,17 @@ def test_ragged_false_refuses_a_changing_first_dim_on_the_rank_that_can_know(tmp
         out = run_local_world(pc.case_fixed, 2, str(tmp_path / "ds"), where, timeout=120)
     except WorldError as e:
         out = e.results
-    assert out[0]["type"] == "ShapeMismatchError" and "ragged=False" in out[0]["msg"], out
-    if where == "rank":  # rank 0 met it in its own add (rank 1 in its own, or rank 0's failure first)
-        assert "frames on rank 0 have" in out[0]["msg"] and out[1]["type"] in ("ShapeMismatchError", "PeerError")
+    assert "ragged=False" in out[0]["msg"] and "ragged=False" in out[1]["msg"], out
+    if where == "rank":  # each rank meets it in its own add, or hears first of the other's (which is first is chance)
+        assert all(x["type"] in ("ShapeMismatchError", "PeerError") for x in out), out
+        own = [x for x in out if x["type"] == "ShapeMismatchError"]
+        assert own and all(re.search(r"frames on rank [01] have", x["msg"]) for x in own), out
     else:  # each rank saw one count: rank dst finds it, naming both ranks; rank 1 is told to fix what ranks sent
+        assert out[0]["type"] == "ShapeMismatchError", out
         assert re.search(r"rank 0 sent .* but rank 1 sent", out[0]["msg"]), out
         assert out[1]["type"] == "PeerError" and "fix what they send and rerun" in out[1]["msg"], out
-    assert tdgather.open(tmp_path / "ds", incomplete=True).metadata["failure"]["type"] == "ShapeMismatchError"
+    failure = tdgather.open(tmp_path / "ds", incomplete=True).metadata["failure"]
+    assert failure["type"] == "ShapeMismatchError" or "ShapeMismatchError" in failure["message"], failure
 
 
 def test_ragged_false_refuses_a_batch_whose_frames_differ_too():
