@@ -29,6 +29,7 @@ from .storage.resume import saved_at
 from .storage.save import save
 from .storage.saved import Saved
 from .storage.sink import Sink, SinkFactory
+from .storage.snapshots import Snapshot, snapshots
 from .storage.views import collate_frames
 
 # ``ds.to_hf(...)``: the Hugging Face export is an integration, which the storage layer (the reader) may not
@@ -59,6 +60,7 @@ __all__ = [
     "ShapeMismatchError",
     "Sink",
     "SinkFactory",
+    "Snapshot",
     "StalledError",
     "TdgatherError",
     "Terminated",
@@ -69,6 +71,7 @@ __all__ = [
     "padded",
     "save",
     "saved_at",
+    "snapshots",
     "to_hf",
 ]
 

@@ -1,6 +1,8 @@
-"""Fixtures shared by the tests of the same-host paths."""
+"""Fixtures shared by the tests: the same-host paths' segment directory, and an S3 server (moto) with a bucket."""
 
 import pytest
+
+from .s3 import new_bucket, s3_server
 
 
 @pytest.fixture
@@ -10,3 +12,16 @@ def shm(tmp_path, monkeypatch):
     where.mkdir()
     monkeypatch.setenv("TDGATHER_SHM_DIR", str(where))
     return where
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """storage_options for a moto S3 server on a free port, for the module's tests (skipped without moto or s3fs)."""
+    with s3_server() as options:
+        yield options
+
+
+@pytest.fixture
+def url(s3) -> str:
+    """A prefix in a new, empty bucket on that server."""
+    return f"s3://{new_bucket(s3)}/preds/depth"

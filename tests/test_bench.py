@@ -238,3 +238,22 @@ def test_readback_smoke(capsys):
     items = {(w, m): int(n) for w, m, n, *_ in rows[1:]}
     assert items == {(w, m): {"prompts": 30, "frames": 96}[w] for w in WORKLOADS for m in WORKLOADS[w]}
     assert "command: `python -m benchmarks.readback --prompts 30" in out and "torch 2." in out
+
+
+@pytest.mark.world
+def test_appends_smoke(capsys):
+    from benchmarks.appends import main as appends
+
+    assert (
+        appends(["--jobs", "1,2", "--frames", "16", "--files", "2", "--listed", "0:0,2:20", "--stores", "local"]) == 0
+    )
+    rows = [
+        line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| local")
+    ]
+    assert [r[1:3] for r in rows] == [
+        ["concurrent", "1 jobs at once"],
+        ["concurrent", "2 jobs at once"],
+        ["listed", "0 shards, 0 filenames listed"],
+        ["listed", "2 shards, 20 filenames listed"],
+    ]
+    assert rows[1][-1] == "1..2"  # both jobs committed: snapshots 1 and 2, none lost

@@ -1,4 +1,4 @@
-"""End to end: `tdgather demo` and `tdgather inspect`."""
+"""End to end: `tdgather demo`, `tdgather inspect` and `tdgather snapshots`."""
 
 import subprocess
 import sys
@@ -137,6 +137,37 @@ def test_inspect_duplicates_dropped(tmp_path, capsys):
     tdgather.save(tdgather.gather(store), tmp_path / "ds")
     assert main(["inspect", str(tmp_path / "ds")]) == 0
     assert "duplicates dropped: 1 (exact 1, inexact 0, max abs diff 0.0)" in capsys.readouterr().out
+
+
+def test_snapshots(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "ds"
+    for var in ("SLURM_JOB_ID", "JOB_COMPLETION_INDEX", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
+    for task, frames in enumerate([range(0, 3), range(2, 6)]):  # two jobs; frame 2 of a.mp4 sent by both
+        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", str(task))
+        gathered = tdgather.gather(
+            {"a.mp4": [(j, torch.full((2,), float(task))) for j in frames], f"{task}.mp4": (0, torch.ones(2))}
+        )
+        tdgather.save(gathered, path, append=True)
+    assert tdgather.open(path)["a.mp4"].frames[:, 0].tolist() == [0, 0, 0, 1, 1, 1]  # frame 2: the first commit's
+    runs = [s.run[:12] for s in tdgather.snapshots(path)]
+    assert main(["snapshots", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == "version made (UTC) run frames filenames added duplicates dropped job/host".split()
+    first, second = (line.split() for line in lines[1:3])
+    # version, run, frames, filenames, added, duplicates dropped (made: first[1])
+    assert first[:1] + first[2:7] == ["1", runs[0], "4", "2", "4", "0"]
+    assert second[:1] + second[2:7] == ["2", runs[1], "8", "3", "4", "1"]  # a.mp4's frame 2: the first job's copy
+    assert first[7].startswith("SLURM_ARRAY_JOB_ID=77_0/") and second[7].startswith("SLURM_ARRAY_JOB_ID=77_1/")
+    assert first[1] <= second[1] and first[1].endswith("+00:00")  # ISO 8601, UTC
+    assert lines[3].startswith("2 snapshot(s); tdgather.open reads the newest, 2") and len(lines) == 4
+    plain = tdgather.save(tdgather.gather({"b.mp4": (0, torch.ones(2))}), tmp_path / "plain")  # no job appended
+    assert main(["snapshots", str(plain)]) == 0
+    zero = capsys.readouterr().out.splitlines()[1].split()
+    assert zero[0] == "0" and zero[1] == "-" and zero[3:8] == ["1", "1", "1", "0", "-"]
+    assert main(["snapshots", str(tmp_path / "missing")]) == 1
+    assert "no dataset there" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("parquet", [False, True])

@@ -39,6 +39,7 @@ PAGES = {
     "docs/how-it-works.md": 0,
     "docs/inputs.md": 1,
     "docs/integrations.md": 2,
+    "docs/many-jobs.md": 1,
     "docs/object-storage.md": 2,
     "docs/ragged.md": 1,
     "docs/reading.md": 4,
@@ -92,6 +93,14 @@ def _format(out: Path, logs: str) -> None:
     assert "['g0', 'g0:frame_idx']" in logs, logs[-3000:]
 
 
+def _many_jobs(out: Path, logs: str) -> None:
+    names = sorted(os.listdir(out / "many_jobs"))  # two jobs' shards, named by their runs, and their two commits
+    assert len(names) == 4 and all(re.fullmatch(r"shard-00000\.[0-9a-f]{12}-1\.safetensors", n) for n in names[:2])
+    assert names[2:] == ["tdgather.snapshot-00000001.json", "tdgather.snapshot-00000002.json"], names
+    assert "added 7, dropped 2, 16 frames in all" in logs, logs[-3000:]
+    assert "['shared.mp4', 'video_0.mp4', 'video_1.mp4'] [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]" in logs, logs[-3000:]
+
+
 def _object_storage(out: Path, logs: str) -> None:
     assert not out.exists()  # everything went to the bucket, nothing to the local disk
     assert "[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11] (12, 1, 16, 16)" in logs, logs[-3000:]
@@ -110,6 +119,7 @@ CHECKS = {
     "docs/format.md": _format,
     "docs/inputs.md": lambda out, logs: None,  # its block asserts its own result
     "docs/integrations.md": _integrations,
+    "docs/many-jobs.md": _many_jobs,
     "docs/object-storage.md": _object_storage,
     "docs/ragged.md": _ragged,
     "docs/reading.md": _reading,

@@ -114,6 +114,10 @@ class Collector:
             under a URL, the failed run's objects or the dataset there) holds, give every rank ``saved``
             to skip it, drop frames sent again by the duplicates policy, and record each attempt in the
             index. Nothing saved: a fresh run.
+        append: add this job's frames to the dataset at ``path`` (created if absent) as its next
+            snapshot, beside other jobs' (a SLURM array's tasks, plain processes), each frame kept
+            once (docs/many-jobs.md). Not with ``overwrite`` or ``resume``: a job that failed before
+            its commit added nothing; run it again.
         ranks_per_writer: one writer per block of this many consecutive ranks (a node: torchrun's
             ``LOCAL_WORLD_SIZE``), instead of rank ``dst`` alone. Each block's first rank receives its
             block's frames and writes them as shards of its own into ``<path>.partial``, which every
@@ -149,6 +153,7 @@ class Collector:
         storage_options: dict | None = None,
         ragged: bool | None = None,
         commit_every: float = 300.0,
+        append: bool = False,
     ) -> None:
         for name, value, low in (("memory_budget", memory_budget, 1), ("max_pending", max_pending, 1)):
             if not isinstance(value, int) or value < low:
@@ -169,7 +174,7 @@ class Collector:
         self.dst = 0  # the receiving rank within the group, known once open
         self.timeout = as_timeout(timeout)
         self.overwrite, self.memory_budget, self.max_pending = overwrite, memory_budget, max_pending
-        self.resume = resume
+        self.resume, self.append = resume, append
         self.metadata = metadata  # rank dst checks it at open (`user_metadata`) and stores it
         self.max_shard_bytes, self.progress = max_shard_bytes, progress
         self.log_summary = log_summary if log_summary is not None else progress is not False
@@ -221,6 +226,7 @@ class Collector:
             progress=self.progress,
             metadata=self.metadata,
             resume=self.resume,
+            append=self.append,
             sink=self.sink,
             storage_options=self.storage_options,
             fixed=self.fixed,

@@ -143,6 +143,7 @@ class Destination:
             writer=self.role.number,
             **({"storage_options": col.storage_options} if col.storage_options else {}),
             **({"fixed": True} if col.fixed else {}),
+            **({"append": True} if col.append else {}),
             **resume,
         )
 

@@ -88,6 +88,7 @@ class Settings:
     storage_options: dict | None = None  # fsspec's, for an object store URL
     fixed: bool = False  # ragged=False: every leaf fixed, a first dim that changes refused (else made ragged)
     commit_every: float = 300.0  # seconds: rank dst writes what it holds at least this often
+    append: bool = False  # the job's frames added to the dataset as its next snapshot (`tdgather.storage.append`)
 
     @property
     def flush_every(self) -> float:

@@ -27,14 +27,16 @@ from .names import (
     FORMAT,
     INDEX_VERSION,
     RAGGED_VERSION,
+    RUN_TAG,
     SCHEMA_VERSION,
     SHARD_NAME,
     SHARD_VERSIONS,
     VERSIONS,
     GroupNames,
     group_names,
+    shard_run,
 )
-from .records import Failure, FileEntry, Segment, ShardEntry
+from .records import Failure, FileEntry, Segment, ShardEntry, SnapshotRecord
 
 __all__ = [
     "Check",
@@ -143,7 +145,11 @@ def check_index(index: Any, file: str, incomplete: bool) -> IndexPlan:
         wanted = ", ".join(map(str, VERSIONS[:-1])) + f" or {VERSIONS[-1]}"
         raise c.fail("version", f"{wanted} (this tdgather reads index version {wanted} only)", version)
     top = {"format", "version", "metadata", "shards", "files"}
-    c.obj(index, "index", top | {"schema"} if version >= SCHEMA_VERSION else top)
+    if version >= SCHEMA_VERSION:  # a snapshot of a dataset jobs append to also says which (`SnapshotRecord`)
+        top |= {"schema", "snapshot"} if "snapshot" in index else {"schema"}
+    c.obj(index, "index", top)
+    if "snapshot" in top:
+        SnapshotRecord.from_json(index["snapshot"], c, "snapshot")
     meta = c.mapping(index["metadata"], "metadata")  # user keys are the user's: only ours are checked
     totals = {k: c.int(meta.get(k), f"metadata.{k}") for k in ("total_frames", "total_bytes", "num_filenames")}
     if incomplete:
@@ -266,8 +272,12 @@ def index_run(index: dict, c: Check) -> str | None:
     return c.str(index["metadata"].get("run"), "metadata.run")
 
 
-def check_run(f: Any, c: Check, run: str | None) -> None:
+def check_run(f: Any, c: Check, run: str | None, shard: str = "") -> None:
     """Refuse an open shard of another run than the index's (``run``; None: an index older than version 3).
+
+    A shard whose name carries its run (``shard-00000.<run>-<attempt>.safetensors``: an object
+    store's, and every appending job's) must be of that run instead: a snapshot lists the shards
+    of many jobs.
 
     Shard names repeat from run to run (``shard-00000.safetensors``...): a shard whose
     ``__metadata__.run`` differs was written by another run, in a rewrite (``overwrite=True``)
@@ -277,6 +287,13 @@ def check_run(f: Any, c: Check, run: str | None) -> None:
     rewrite is caught only when the shard's groups or tensors disagree with the index.
     """
     got = (f.metadata() or {}).get("run")
+    tagged = shard_run(shard) if shard else ""
+    if tagged and got is not None and got[:RUN_TAG] != tagged:
+        raise DatasetError(
+            c.file, "__metadata__.run", f"expected a run starting {tagged!r}, as its name says, got {got!r:.80}"
+        )
+    if tagged:
+        return
     if got is not None and got != run:
         want = f"run {run!r}, the index's" if run is not None else "no run, as in an index older than version 3"
         raise DatasetError(

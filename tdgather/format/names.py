@@ -49,6 +49,7 @@ __all__ = [
     "SHARD_PATTERN",
     "SHARD_VERSION",
     "SHARD_VERSIONS",
+    "SNAPSHOT_NAME",
     "VERSIONS",
     "WRITERS_VERSION",
     "GroupNames",
@@ -59,6 +60,7 @@ __all__ = [
     "shard_name",
     "shard_numbers",
     "shard_order",
+    "snapshot_name",
 ]
 
 _SAFE = frozenset(chr(c) for c in range(0x20, 0x7F)) - {"%", ".", ":"}
@@ -141,9 +143,14 @@ RUN_NAME = "tdgather.run.json"  # the run that opened last, written before any s
 # first 12 hex digits of the run id and the attempt, so no run or attempt ever overwrites another's object
 SHARD_PATTERN = r"shard-[0-9]{5,}(-[0-9]{5,})?(\.[0-9a-f]{12}-[0-9]{1,9})?\.safetensors"
 SHARD_NAME = re.compile(SHARD_PATTERN)
+# snapshot N of a dataset that jobs append to (`tdgather.storage.append`): an index, written once, never replaced
+SNAPSHOT_PATTERN = r"tdgather\.snapshot-([0-9]{8,})\.json"
+SNAPSHOT_NAME = re.compile(SNAPSHOT_PATTERN)
 # every name tdgather writes into a dataset: the only files it ever replaces or removes
 OURS = re.compile(
-    "(" + "|".join([SHARD_PATTERN, *(re.escape(n) for n in (INDEX_NAME, INCOMPLETE_NAME, RUN_NAME))]) + ")"
+    "("
+    + "|".join([SHARD_PATTERN, SNAPSHOT_PATTERN, *(re.escape(n) for n in (INDEX_NAME, INCOMPLETE_NAME, RUN_NAME))])
+    + ")"
 )
 GROUP_NAME = re.compile(r"g[0-9]+")
 SHA256 = re.compile(r"[0-9a-f]{64}")  # a shard's checksum, as the index lists it (version 5 on)
@@ -152,6 +159,15 @@ CRC32_MAX = 2**32 - 1  # a local shard's CRC-32 is an integer in 0..CRC32_MAX (v
 
 _NAME = re.compile(r"shard-([0-9]{5,})(?:-([0-9]{5,}))?(?:\.([0-9a-f]{12})-([0-9]{1,9}))?\.safetensors")
 RUN_TAG = 12  # hex digits of the run id a tagged shard name carries
+
+
+def snapshot_name(number: int) -> str:
+    """Snapshot ``number``'s file name (snapshot 0 is the dataset's ``tdgather.index.json``, when it has one).
+
+    >>> snapshot_name(3), SNAPSHOT_NAME.fullmatch(snapshot_name(3))[1]
+    ('tdgather.snapshot-00000003.json', '00000003')
+    """
+    return f"tdgather.snapshot-{number:08d}.json"
 
 
 def shard_name(writer: int | None, number: int, tag: tuple[str, int] | None = None) -> str:

@@ -26,7 +26,7 @@ from ..core.checks import decode_layout
 from ..core.frames import Layout
 from .names import CRC32_MAX, FORMAT, GROUP_NAME, SHA256, SHARD_NAME, SHARD_VERSION
 
-__all__ = ["Attempt", "Failure", "FileEntry", "IndexMeta", "Segment", "ShardEntry", "ShardRecord"]
+__all__ = ["Attempt", "Failure", "FileEntry", "IndexMeta", "Segment", "ShardEntry", "ShardRecord", "SnapshotRecord"]
 
 
 @dataclass(frozen=True)
@@ -263,3 +263,53 @@ class ShardRecord:
             "run": self.run,
             "attempt": str(self.attempt),
         }
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """A snapshot's ``snapshot`` record: which snapshot of a dataset jobs append to, when, and by whom.
+
+    Attributes:
+        version: its number, the one in its file name (1, 2, ...).
+        parent: the snapshot it was made from (its shards and filenames are all in this one); None
+            for the first.
+        run: the run id of the job that committed it.
+        made: when, UTC, ISO 8601.
+        host: the host the job ran on.
+        job: the scheduler's id of the job (``SLURM_ARRAY_JOB_ID_TASK``, ``JOB_COMPLETION_INDEX``...), or None.
+        added: the frames the job added.
+        duplicates_dropped: frames the job sent that the parent already held (each frame is kept once).
+        user: the job's ``metadata=`` (the dataset's ``metadata.user`` is the first commit's).
+    """
+
+    version: int
+    parent: int | None
+    run: str
+    made: str
+    host: str
+    job: str | None
+    added: int
+    duplicates_dropped: int
+    user: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as the snapshot holds it."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__} | {"user": dict(self.user)}
+
+    @classmethod
+    def from_json(cls, obj: Any, c: Any, where: str) -> SnapshotRecord:
+        """A snapshot record read from a file, every field checked."""
+        c.obj(obj, where, set(cls.__dataclass_fields__))
+        parent = None if obj["parent"] is None else c.int(obj["parent"], f"{where}.parent")
+        job = None if obj["job"] is None else c.str(obj["job"], f"{where}.job")
+        return cls(
+            c.int(obj["version"], f"{where}.version"),
+            parent,
+            c.str(obj["run"], f"{where}.run"),
+            c.str(obj["made"], f"{where}.made"),
+            c.str(obj["host"], f"{where}.host"),
+            job,
+            c.int(obj["added"], f"{where}.added"),
+            c.int(obj["duplicates_dropped"], f"{where}.duplicates_dropped"),
+            c.mapping(obj["user"], f"{where}.user"),
+        )

@@ -9,6 +9,7 @@ a final name. A shard's bytes (`tdgather.format.codec`) stream from its pieces s
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,20 @@ from typing import Any
 from ..errors import OutputError
 from .outdir import exchange, fsync_dir
 
-__all__ = ["LocalFS"]
+__all__ = ["LocalFS", "final_name"]
+
+_TEMPORARY = re.compile(r"\.(.+)\.tmp-[0-9]+")  # `LocalFS.write_atomic`'s temporary name for a file
+
+
+def final_name(name: str) -> str:
+    """The name a file written by `LocalFS.write_atomic` will have: ``name`` itself unless it is a temporary one.
+
+    >>> final_name(".shard-00000.safetensors.tmp-4242"), final_name("shard-00000.safetensors")
+    ('shard-00000.safetensors', 'shard-00000.safetensors')
+    """
+    m = _TEMPORARY.fullmatch(name)
+    return m[1] if m else name
+
 
 _IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
 # bytes gathered before one writev: views of buffers cost nothing to hold, but the index is

@@ -22,6 +22,7 @@ from .resume import load_state
 from .runmark import RunMark
 from .runstate import RunState, new_run
 from .scan import index_runs, shard_files
+from .snapshots import check_not_appended
 from .store import LocalStore
 
 __all__ = ["LocalOutput"]
@@ -54,6 +55,7 @@ class LocalOutput:
 
     def open(self, overwrite: bool, resume: bool) -> RunState:
         """Check the output, lock ``<path>.partial``; return what it holds to continue from, or a fresh run."""
+        check_not_appended(LocalStore(self.target), self.target)
         check_output(self.target, overwrite, resume)
         self._base = LocalStore(self.target).version(INDEX_NAME)  # the commit checks no other run committed since
         self._lock = lock_dir(self.staging) if self.staging.is_dir() else None

@@ -114,6 +114,8 @@ class ObjectStore:
                 return {}
         out = {}
         for key, info in found.items():
+            if info.get("type") == "directory":  # s3fs's answer for a prefix whose first object lands meanwhile
+                continue
             key = self.fs._strip_protocol(key).rstrip("/")
             name = key[len(self.root) + 1 :] if key.startswith(self.root + "/") else "."
             out[name] = int(info.get("size") or 0)

@@ -8,7 +8,9 @@ staged for a resume (`abort`), or nothing (`discard`). Every store's output impl
 - `tdgather.storage.local.LocalOutput` (a store with ``atomic_rename``): shards staged in
   ``<name>.partial``; the commit writes the index there and renames the directory into place;
 - `tdgather.storage.prefix.PrefixOutput` (an object store): shards written under the prefix with
-  names of their run; the commit is the index's `tdgather.storage.store.Store.put_if`.
+  names of their run; the commit is the index's `tdgather.storage.store.Store.put_if`;
+- `tdgather.storage.append.AppendOutput` (``append=True``, any store): a job's shards named by its
+  run beside the others'; the commit is the next snapshot's ``put_if`` (absent), retried on a loss.
 
 `output_at` picks one for a path. The call order, by rank dst (the one writer, or the coordinator
 with ``ranks_per_writer``; `tdgather.storage.writer.DatasetWriter` drives it):
@@ -31,6 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from .append import AppendOutput
 from .atomic import LocalFS
 from .local import LocalOutput
 from .location import store_at
@@ -80,11 +83,19 @@ class Output(Protocol):
 
 
 def output_at(
-    path: Any, storage_options: dict | None = None, fs: LocalFS | None = None, store: Store | None = None
+    path: Any,
+    storage_options: dict | None = None,
+    fs: LocalFS | None = None,
+    store: Store | None = None,
+    append: bool = False,
 ) -> Output:
     """Where a dataset at ``path`` is written: `LocalOutput` for a store with ``atomic_rename``, else `PrefixOutput`.
 
-    ``fs``: the local filesystem seam; ``store``: the object store itself (a test's double), for a URL.
+    ``append``: `AppendOutput`, a job's frames added as a new snapshot (any store with an atomic
+    ``put_if``). ``fs``: the local filesystem seam; ``store``: the object store itself (a test's
+    double), for a URL.
     """
     store = store or store_at(path, storage_options)
+    if append:
+        return AppendOutput(store)
     return LocalOutput(path, fs) if store.atomic_rename else PrefixOutput(store)

@@ -45,6 +45,7 @@ from .outdir import describe_names
 from .runmark import RunMark
 from .runstate import RunState, new_run
 from .scan import from_index, from_shards, index_runs, loose_shards
+from .snapshots import check_not_appended
 from .store import Store
 
 __all__ = ["PrefixOutput"]
@@ -82,6 +83,7 @@ class PrefixOutput:
 
         Nothing is removed here: a failed run's objects go once this run commits.
         """
+        check_not_appended(self.store, self.target)
         listing = self.store.list()
         foreign = sorted(n for n in listing if not OURS.fullmatch(n))
         if foreign:

@@ -43,11 +43,12 @@ from ..format.check import (
     load_json,
     shard_version,
 )
-from ..format.names import INCOMPLETE_NAME, INDEX_NAME
+from ..format.names import INCOMPLETE_NAME, INDEX_NAME, SNAPSHOT_NAME
 from .location import store_at
 from .outdir import staging_of
 from .scan import loose_shards, partial_index
 from .segments import OpenShard, cat_columns, nested, offsets_of_rows, open_shard, read_picked, read_rows
+from .snapshots import index_name as snapshot_file
 from .store import LocalStore, Store, digest
 from .views import FrameDataset
 
@@ -85,7 +86,11 @@ class Dataset(Mapping[str, Frames]):
         storage_options: dict | None = None,
         store: Store | None = None,
         tensorclass: bool = True,
+        version: int | None = None,
     ) -> None:
+        if incomplete and version is not None:
+            raise ValueError("version= reads a committed snapshot; incomplete=True what a failed run saved: pass one")
+        self.version = version  # the snapshot asked for (None: the newest)
         self.tensorclass = tensorclass  # False: every tree read as a TensorDict (`layout` names no class)
         store = store or store_at(path, storage_options)  # ``store``: the store itself (a test's, for a URL)
         self.store: Store = store
@@ -104,8 +109,8 @@ class Dataset(Mapping[str, Frames]):
                     f"{str(self.path)!r} holds no shards and no {INCOMPLETE_NAME}: no failed run saved anything there"
                 )
         else:
-            index_name = INDEX_NAME
-            if store.size(INDEX_NAME) is None:
+            index_name = snapshot_file(store, version) or INDEX_NAME  # the newest snapshot, or the one asked for
+            if store.size(index_name) is None:
                 raise OutputError(
                     f"{str(self.path)!r} is not a complete tdgather dataset: no {INDEX_NAME}{_hint(self.path)}"
                 )
@@ -114,6 +119,10 @@ class Dataset(Mapping[str, Frames]):
             built if built is not None else load_json(self.store.read(index_name), self._index, "index")
         )
         self._plan = check_index(self.index, self.store.path(index_name), incomplete)  # all of it, before any shard
+        numbered = SNAPSHOT_NAME.fullmatch(index_name)  # a snapshot says which it is, as its name does
+        if numbered and (self.index.get("snapshot") or {}).get("version") != int(numbered[1]):
+            got = (self.index.get("snapshot") or {}).get("version")
+            raise self._index.fail("snapshot.version", f"{int(numbered[1])}, the number in its name", got)
         self.metadata: dict[str, Any] = self.index["metadata"]
         self._files: dict[str, dict] = self.index["files"]
         self._run = index_run(self.index, self._index)  # every shard opened must be of this run
@@ -135,6 +144,9 @@ class Dataset(Mapping[str, Frames]):
                     "anything there"
                 )
             return INCOMPLETE_NAME
+        name = snapshot_file(self.store, self.version)
+        if name is not None:
+            return name
         if self.store.size(INDEX_NAME) is None:
             listing = self.store.list()
             hint = ""
@@ -291,7 +303,7 @@ class Dataset(Mapping[str, Frames]):
                 return got
         f = open_shard(self.store, shard, self._index, field)
         c = Check(self.store.path(shard))
-        check_run(f, c, self._run)
+        check_run(f, c, self._run, shard)
         check_shard(f, c, shard, self.index["shards"][shard]["groups"], self._plan, self._index)
         opened = OpenShard(f, c, shard_version(f, c), shard)
         with self._lock:
@@ -355,7 +367,12 @@ def _hint(path: Path) -> str:
 
 
 def open_dataset(
-    path: str | os.PathLike, *, incomplete: bool = False, storage_options: dict | None = None, tensorclass: bool = True
+    path: str | os.PathLike,
+    *,
+    incomplete: bool = False,
+    storage_options: dict | None = None,
+    tensorclass: bool = True,
+    version: int | None = None,
 ) -> Dataset:
     """Open a saved dataset lazily; raises OutputError when it is incomplete, DatasetError when it is malformed.
 
@@ -367,5 +384,9 @@ def open_dataset(
     ``tensorclass=False`` reads every frame of a tensorclass as a TensorDict of its fields; by
     default it is that class where this process has imported it with those fields, and a
     TensorDict, with a warning that names the class and why, where not.
+
+    A dataset that jobs append to (``append=True``) is read at its newest snapshot, which is
+    always whole, also while other jobs commit; ``version=n`` reads snapshot n as it was committed
+    (`tdgather.snapshots` lists them; 0 is the dataset written before any job appended).
     """
-    return Dataset(path, incomplete, storage_options, tensorclass=tensorclass)
+    return Dataset(path, incomplete, storage_options, tensorclass=tensorclass, version=version)

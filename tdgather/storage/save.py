@@ -25,6 +25,7 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     sink: SinkFactory | None = None,
     storage_options: dict | None = None,
+    append: bool = False,
 ) -> Path | str:
     """Write gathered frames as a dataset directory (see the module docstring).
 
@@ -41,6 +42,9 @@ def save(
         sink: makes the `tdgather.storage.sink.Sink` that writes (called with `DatasetWriter`'s
             keywords); default `DatasetWriter`.
         storage_options: for an object store URL, the filesystem's options (fsspec's).
+        append: add these frames to the dataset at ``path`` (created if absent) as a new snapshot,
+            beside other jobs' (docs/many-jobs.md): a frame the dataset already holds is kept
+            once, the first committed copy.
 
     Returns:
         The dataset directory (or URL).
@@ -55,7 +59,9 @@ def save(
     stats = getattr(frames, "stats", None)  # a Gathered: its duplicate counts go in the index too
     if stats is not None:
         meta.update(duplicates_dropped=stats.duplicates.dropped, duplicates=stats.duplicates.to_json())
-    options = {"storage_options": storage_options} if storage_options else {}
+    options: dict[str, Any] = {"storage_options": storage_options} if storage_options else {}
+    if append:
+        options["append"] = True
     writer = (sink or DatasetWriter)(path, overwrite=overwrite, max_shard_bytes=max_shard_bytes, **options)
     try:
         writer.write(frames)

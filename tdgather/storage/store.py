@@ -28,6 +28,7 @@ import fcntl
 import hashlib
 import mmap
 import os
+import secrets
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -36,6 +37,7 @@ from typing import Any, NamedTuple, Protocol
 from ..errors import DatasetError
 from ..format.codec import ByteSource
 from .atomic import LocalFS
+from .outdir import fsync_dir
 
 __all__ = ["DIGEST_BLOCK", "LocalStore", "MappedFile", "Store", "Written", "crc32_of", "digest", "hashed"]
 
@@ -267,7 +269,14 @@ class LocalStore:
         return []
 
     def put_if(self, name: str, data: bytes, expected: str | None) -> bool:
-        """Under an exclusive lock on the directory: check the version, then put (temporary name, rename)."""
+        """Under an exclusive lock on the directory: check the version, then put (temporary name, rename).
+
+        Only if absent (``expected`` None): written under a temporary name, then hard-linked to
+        ``name``, which fails where ``name`` exists: atomic without the lock too (a filesystem whose
+        locks do not reach other hosts), so a file is never put over another's.
+        """
+        if expected is None:
+            return self._put_new(name, data)
         fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
             with contextlib.suppress(OSError):  # a filesystem without locks: checked, unlocked
@@ -278,3 +287,22 @@ class LocalStore:
             return True
         finally:
             os.close(fd)  # releases the lock
+
+    def _put_new(self, name: str, data: bytes) -> bool:
+        """``data`` as ``name`` only if absent: a temporary file, fsynced, hard-linked to ``name`` (fails if there)."""
+        tmp = self.root / f".{name}.tmp-{os.getpid()}{secrets.randbelow(10**9):09d}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                self.fs.write_all(fd, [data])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, self.root / name)
+            except FileExistsError:
+                return False
+            fsync_dir(self.root)
+            return True
+        finally:
+            tmp.unlink(missing_ok=True)

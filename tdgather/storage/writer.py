@@ -100,8 +100,10 @@ class DatasetWriter:
         storage_options: dict | None = None,
         store: Store | None = None,
         fixed: bool = False,
+        append: bool = False,
     ) -> None:
-        self.out = output_at(path, storage_options, fs, store)  # where the files go, and how they are committed
+        # where the files go, and how they are committed (append: as a new snapshot, beside other jobs')
+        self.out = output_at(path, storage_options, fs, store, append)
         self.policy = DuplicatePolicy.of(duplicates)
         self.fixed = fixed  # frames declared fixed (ragged=False): a filename's first dims may not change
         self.max_shard_bytes = max_shard_bytes

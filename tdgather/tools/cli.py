@@ -2,7 +2,8 @@
 
 ``tdgather demo`` runs the demo job on a local CPU world; ``tdgather inspect
 PATH`` describes a saved dataset (``--frames FILENAME``: one filename's frames and
-value statistics); ``tdgather export-hf PATH OUT`` writes it as a Hugging Face
+value statistics); ``tdgather snapshots PATH`` lists the snapshots of a dataset that
+jobs append to, one line each; ``tdgather export-hf PATH OUT`` writes it as a Hugging Face
 ``datasets`` dataset (``--parquet``: Parquet shards). (The benchmark suite lives in ``benchmarks/`` of a
 source checkout: ``python -m benchmarks.suite``; the package never imports it.)
 """
@@ -219,6 +220,33 @@ def _stats(t: Any) -> str:
     return f"min {a.min()}, mean {float(a.mean(dtype='float64')):.6g}, max {a.max()}, NaN 0"
 
 
+def _snapshots(args: argparse.Namespace) -> int:
+    """One line per snapshot of a dataset that jobs append to, oldest first (snapshot 0: its first index)."""
+    from ..format.names import INDEX_NAME
+    from ..storage.snapshots import snapshots
+
+    found = snapshots(args.path, args.storage_options)
+    if not found:
+        print(f"tdgather: {args.path!r} holds no snapshot and no {INDEX_NAME}: no dataset there", file=sys.stderr)
+        return 1
+    print(
+        f"{'version':>7}  {'made (UTC)':<29}  {'run':<12}  {'frames':>9}  {'filenames':>9}  {'added':>9}  "
+        f"{'duplicates dropped':>18}  job/host"
+    )
+    for s in found:
+        who = "/".join(x for x in (s.job, s.host) if x) or "-"
+        print(
+            f"{s.version:>7}  {s.made or '-':<29}  {(s.run or '-')[:12]:<12}  {s.frames:>9}  {s.filenames:>9}  "
+            f"{s.added:>9}  {s.duplicates_dropped:>18}  {who}"
+        )
+    newest = found[-1].version
+    print(
+        f"{len(found)} snapshot(s); tdgather.open reads the newest, {newest} "
+        f"(tdgather.open(path, version=N): snapshot N as it was committed)"
+    )
+    return 0
+
+
 def _export_hf(args: argparse.Namespace) -> int:
     """Write a dataset as Hugging Face ``datasets``: ``save_to_disk`` (Arrow) or Parquet shards."""
     from ..storage.location import is_url, local_path
@@ -301,6 +329,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--frames", metavar="FILENAME", help="one filename: its frame indexes (as ranges) and per-leaf statistics"
     )
     inspect.set_defaults(run=_inspect)
+    snaps = sub.add_parser(
+        "snapshots", help="list the snapshots of a dataset that jobs append to (append=True), one line each"
+    )
+    snaps.add_argument("path", help="a dataset directory, or an object store URL (s3://bucket/prefix, ...)")
+    _storage_options(snaps)
+    snaps.set_defaults(run=_snapshots)
     export = sub.add_parser("export-hf", help="write a dataset as Hugging Face datasets (Arrow, or --parquet)")
     export.add_argument("path", help="the tdgather dataset")
     export.add_argument("out", help="a new directory to write")

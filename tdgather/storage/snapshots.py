@@ -1,0 +1,120 @@
+"""Snapshots of a dataset that many jobs append to: which there are, the newest, and each one's record.
+
+A job that appends (``Collector(path, append=True)``, ``save(..., append=True)``) commits by writing
+the next snapshot, ``tdgather.snapshot-NNNNNNNN.json``: a whole index (the earlier snapshot's shards
+and filenames, plus the job's) with a ``snapshot`` record saying which it is, when, and by whom
+(`tdgather.storage.append`). A snapshot is written once, whole, and never replaced. Snapshot 0 is
+the dataset's ``tdgather.index.json`` where it has one (a dataset written before any job appended).
+`tdgather.open` reads the newest (``version=`` an earlier one); `snapshots` lists them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import DatasetError, OutputError
+from ..format.check import Check, load_json
+from ..format.names import INDEX_NAME, SNAPSHOT_NAME, snapshot_name
+from ..format.records import SnapshotRecord
+from .location import store_at
+from .store import Store
+
+__all__ = ["Snapshot", "check_not_appended", "index_name", "snapshot_numbers", "snapshots"]
+
+
+def snapshot_numbers(store: Store, listing: Any = None) -> list[int]:
+    """The snapshots a store holds, in order (0: its ``tdgather.index.json``, where there is one)."""
+    listing = store.list() if listing is None else listing
+    numbers = sorted(int(m[1]) for m in map(SNAPSHOT_NAME.fullmatch, listing) if m)
+    return ([0] if INDEX_NAME in listing else []) + [n for n in numbers if n > 0]
+
+
+def check_not_appended(store: Store, target: Any) -> None:
+    """Refuse to write a dataset (``overwrite``, ``resume``, or anew) where jobs append (snapshots 1 on).
+
+    Another job may be committing there at any moment: replacing the dataset under it would lose
+    that job's frames, or leave snapshots that list shards the rewrite removed.
+
+    Raises:
+        OutputError: naming the snapshots there and the choices.
+    """
+    numbers = [n for n in snapshot_numbers(store) if n > 0]
+    if numbers:
+        raise OutputError(
+            f"{str(target)!r} is a dataset that jobs append to (snapshots {numbers[0]}..{numbers[-1]}): add to it "
+            "with append=True; tdgather never replaces it, even with overwrite=True, since a job may be committing "
+            "there: write elsewhere, or remove it yourself once no job uses it"
+        )
+
+
+def index_name(store: Store, version: int | None = None) -> str | None:
+    """The file to read: snapshot ``version`` (None: the newest); None where the store holds no snapshot or index.
+
+    Raises:
+        OutputError: no snapshot ``version`` there (the message lists those there are).
+    """
+    numbers = snapshot_numbers(store)
+    if version is None:
+        return None if not numbers else INDEX_NAME if numbers[-1] == 0 else snapshot_name(numbers[-1])
+    if type(version) is not int or version not in numbers:
+        there = ", ".join(map(str, numbers[-20:])) or "none"
+        raise OutputError(f"{store.where!r}: no snapshot version={version!r} (there are: {there})")
+    return INDEX_NAME if version == 0 else snapshot_name(version)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One snapshot of a dataset, as its record says (`snapshots` lists them).
+
+    Attributes:
+        version: its number (``tdgather.open(path, version=...)`` reads it); 0 is the dataset
+            written before any job appended.
+        made: when it was committed (UTC, ISO 8601); None for snapshot 0.
+        run: the run id of the job that committed it.
+        host: the host that job ran on; job: its scheduler's id (a SLURM array task, a Kubernetes
+            indexed job's index), where one was set.
+        frames, filenames: what the snapshot holds in all.
+        added: the frames the job added; duplicates_dropped: those it sent that an earlier
+            snapshot already held (dropped: each frame is in the dataset once).
+    """
+
+    version: int
+    made: str | None
+    run: str | None
+    host: str | None
+    job: str | None
+    frames: int
+    filenames: int
+    added: int
+    duplicates_dropped: int
+
+
+def snapshots(path: str | os.PathLike, storage_options: dict | None = None) -> list[Snapshot]:
+    """The snapshots of the dataset at ``path`` (a directory or an object store URL), oldest first.
+
+    Each is read and checked as `tdgather.open` checks the index's metadata; nothing else is read.
+
+    Raises:
+        DatasetError: a snapshot whose record is malformed (named).
+    """
+    store = store_at(path, storage_options)
+    out = []
+    for number in snapshot_numbers(store):
+        name = INDEX_NAME if number == 0 else snapshot_name(number)
+        c = Check(store.path(name))
+        index = c.mapping(load_json(store.read(name), c, "index"), "index")
+        meta = c.mapping(index.get("metadata"), "metadata")
+        frames = c.int(meta.get("total_frames"), "metadata.total_frames")
+        filenames = c.int(meta.get("num_filenames"), "metadata.num_filenames")
+        if number == 0:
+            out.append(Snapshot(0, None, meta.get("run"), None, None, frames, filenames, frames, 0))
+            continue
+        r = SnapshotRecord.from_json(index.get("snapshot"), c, "snapshot")
+        if r.version != number:
+            raise DatasetError(
+                c.file, "snapshot.version", f"expected {number}, the number in its name, got {r.version}"
+            )
+        out.append(Snapshot(number, r.made, r.run, r.host, r.job, frames, filenames, r.added, r.duplicates_dropped))
+    return out
