@@ -50,10 +50,12 @@ def _add(col: tdgather.Collector, frames: list[tuple[str, int]], pause: float) -
         time.sleep(pause)
 
 
-def plain_job(path: str, job: int, pause: float = 0.0) -> None:
-    """One process, no process group: the job's frames through a Collector that appends."""
+def plain_job(path: str, job: int, pause: float = 0.0, *, storage_options: dict | None = None) -> None:
+    """One process, no process group: the job's frames through a Collector that appends (``storage_options``: S3's)."""
     frames = [(name, idx) for name, idxs in share(job).items() for idx in idxs]
-    with tdgather.Collector(path, append=True, progress=False, log_summary=False) as col:
+    with tdgather.Collector(
+        path, append=True, storage_options=storage_options, progress=False, log_summary=False
+    ) as col:
         _add(col, frames, pause)
 
 

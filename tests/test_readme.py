@@ -39,7 +39,7 @@ PAGES = {
     "docs/how-it-works.md": 0,
     "docs/inputs.md": 1,
     "docs/integrations.md": 2,
-    "docs/many-jobs.md": 1,
+    "docs/many-jobs.md": 2,
     "docs/object-storage.md": 2,
     "docs/ragged.md": 1,
     "docs/reading.md": 4,

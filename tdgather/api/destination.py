@@ -265,6 +265,7 @@ class Destination:
             combine_seconds=combined,
             shared_chunks=self.shared_chunks,
             warnings=(overlap,) if overlap is not None else (),
+            snapshot=getattr(sink, "snapshot", None),  # a DatasetWriter's, appending; a custom sink may have none
         )
 
     def _overlap(self, dups: DuplicateCounts) -> str | None:

@@ -148,6 +148,7 @@ class CollectorSummary:
     combine_seconds: float = 0.0  # with several writers: reading their shards' records, copies across them
     shared_chunks: int = 0  # chunks received through shared memory (senders on rank dst's host), not gloo
     warnings: tuple[str, ...] = ()  # what the run should not have done (ranks whose shares overlapped), also logged
+    snapshot: int | None = None  # append=True: the snapshot this job's commit wrote (`tdgather.snapshots` lists them)
 
     @property
     def throughput_mb_s(self) -> float:
@@ -163,6 +164,7 @@ class CollectorSummary:
             f"per rank {{{per_rank}}}, {self.shards} shards in {self.path}, {self.seconds:.2f} s "
             f"({self.throughput_mb_s:.1f} MB/s), close {self.close_seconds:.3f} s"
             + (f", {self.shared_chunks} chunks through shared memory" if self.shared_chunks else "")
+            + (f", committed as snapshot {self.snapshot}" if self.snapshot is not None else "")
             + "".join(f"\nWARNING: {w}" for w in self.warnings)
         )
 

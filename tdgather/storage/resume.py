@@ -24,6 +24,7 @@ from .runmark import RunMark
 from .runstate import RunState
 from .saved import Saved
 from .scan import from_index, from_shards, loose_shards, shard_files
+from .snapshots import index_name as snapshot_file
 from .store import LocalStore, Store
 
 __all__ = ["load_state", "prefix_state", "saved_at"]
@@ -36,7 +37,13 @@ def saved_at(path: str | os.PathLike, storage_options: dict | None = None) -> Sa
 
     Use it where rank dst's output is visible (one machine, a shared filesystem, an object store),
     for example to build Lightning's predict dataloader; ``col.saved`` is the same on every rank.
+    For a dataset that jobs append to: what its newest snapshot holds (``saved_at(path).todo(items)``
+    is what no job has committed yet: the next task's share).
     """
+    store = store_at(path, storage_options)
+    newest = snapshot_file(store)
+    if newest is not None and newest != INDEX_NAME:
+        return from_index(store, newest).to_saved()
     if is_url(path):
         state = prefix_state(store_at(path, storage_options))
         return state.to_saved() if state is not None else Saved()

@@ -101,11 +101,11 @@ def partial_index(store: Store, names: list[str] | None = None) -> dict | None:
     return _shards_index(state.shards, dict(sorted(state.files.items())), meta)  # as from_shards checked it
 
 
-def from_index(store: Store) -> RunState:
-    """A complete dataset's state: its index, checked, and every shard's header."""
-    c = Check(store.path(INDEX_NAME))
-    index = load_json(store.read(INDEX_NAME), c, "index")
-    plan = check_index(index, store.path(INDEX_NAME), incomplete=False)
+def from_index(store: Store, name: str = INDEX_NAME) -> RunState:
+    """A complete dataset's state: its index (``name``: a snapshot's), checked, and every shard's header."""
+    c = Check(store.path(name))
+    index = load_json(store.read(name), c, "index")
+    plan = check_index(index, store.path(name), incomplete=False)
     for name, entry in index["shards"].items():  # every shard's header, as Dataset.verify() checks it
         with open_shard(store, name, c, f"shards[{name!r}]") as f:
             check_shard(f, Check(store.path(name)), name, entry["groups"], plan, c)

@@ -157,6 +157,11 @@ class DatasetWriter:
                 entry["size"] = store.size(name)
 
     @property
+    def snapshot(self) -> int | None:
+        """The snapshot this run's commit wrote (``append=True``, once committed); None otherwise."""
+        return getattr(self.out, "snapshot", None)
+
+    @property
     def frames(self) -> int:
         """Frames committed so far."""
         return sum(s["frames"] for s in self.shards.values())
