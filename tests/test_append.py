@@ -106,8 +106,14 @@ def test_jobs_killed_at_random_moments_then_rerun_leave_each_frame_once(tmp_path
     jobs = list(range(6))
     procs = {job: _plain(path, job, pause=0.05) for job in jobs}  # about 1 s of adding a job, after the start
     killed = rng.sample(jobs, 3)
-    time.sleep(rng.uniform(2.0, 4.0))  # some while importing, some adding, some committing or done
-    for job in killed:
+    time.sleep(rng.uniform(2.0, 4.0))
+    procs[killed[0]].kill()  # on 2 cores, jobs still import this early: killed before its commit, as a rule
+    deadline = time.monotonic() + 180
+    while not tdgather.snapshots(path) and time.monotonic() < deadline and any(p.is_alive() for p in procs.values()):
+        time.sleep(0.02)
+    first = time.monotonic()  # the others around the first commits: adding, committing, or just committed
+    for at, job in sorted((rng.uniform(0.0, 1.0), job) for job in killed[1:]):
+        time.sleep(max(0.0, first + at - time.monotonic()))
         procs[job].kill()
     for job, p in procs.items():
         p.join(240)
