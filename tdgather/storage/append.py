@@ -37,13 +37,13 @@ from ..core.frames import Layout
 from ..core.promote import SAME_LAYOUT, common_layout, schema
 from ..errors import OutputError, ShapeMismatchError
 from ..format.check import Check, check_index, load_json
-from ..format.codec import SafetensorsFile
-from ..format.names import FORMAT, OURS, SCHEMA_VERSION, group_names, snapshot_name
+from ..format.names import FORMAT, INDEX_NAME, OURS, SCHEMA_VERSION, snapshot_name
 from ..format.records import SnapshotRecord
 from .atomic import final_name
 from .outdir import describe_names
 from .runstate import RunState, new_run
-from .snapshots import index_name, snapshot_numbers
+from .scan import frame_idx_of
+from .snapshots import snapshot_numbers
 from .store import Store
 
 __all__ = ["MAX_TRIES", "AppendOutput", "merge"]
@@ -123,7 +123,7 @@ class AppendOutput:
         for attempt in range(MAX_TRIES):
             numbers = snapshot_numbers(self.store)
             number = numbers[-1] if numbers else -1
-            base = None if number < 0 else self._read(index_name(self.store, number))
+            base = None if number < 0 else self._read(INDEX_NAME if number == 0 else snapshot_name(number))
             merged, dropped = merge(self.store, base, mine)
             added = mine["metadata"]["total_frames"] - dropped
             record = SnapshotRecord(
@@ -181,16 +181,27 @@ def merge(store: Store, base: dict | None, mine: dict) -> tuple[dict, int]:
     shards = {name: dict(entry) for name, entry in base["shards"].items()}
     mine_shards = {name: dict(entry) for name, entry in mine["shards"].items()}
     files = dict(base["files"])
-    frame_idx = _FrameIdx(store, {**base["shards"], **mine["shards"]})
+    layout_of = {
+        (shard, g): Layout.from_json(desc)
+        for shards_of in (base["shards"], mine["shards"])
+        for shard, entry in shards_of.items()
+        for g, desc in entry["groups"].items()
+    }
+    group_idx = frame_idx_of(store, layout_of)  # each group's frame indexes, read once
+
+    def frame_idx(seg: dict) -> torch.Tensor:
+        return group_idx(seg["shard"], seg["group"])[seg["start"] : seg["start"] + seg["frames"]]
+
+    def layout(seg: dict) -> Layout:
+        return layout_of[seg["shard"], seg["group"]]
+
     dropped = 0
     for name, entry in mine["files"].items():
         have = files.get(name)
         if have is None:
             files[name] = entry
             continue
-        _check_fits(
-            name, [frame_idx.layout(s) for s in have["segments"]], [frame_idx.layout(s) for s in entry["segments"]]
-        )
+        _check_fits(name, [layout(s) for s in have["segments"]], [layout(s) for s in entry["segments"]])
         held = torch.cat([frame_idx(s) for s in have["segments"]])
         kept = []
         for seg in entry["segments"]:
@@ -202,11 +213,11 @@ def merge(store: Store, base: dict | None, mine: dict) -> tuple[dict, int]:
             dropped += n
             shard = mine_shards[seg["shard"]]
             shard["frames"] -= n
-            shard["bytes"] -= n * frame_idx.layout(seg).frame_nbytes  # ragged values stay counted (>= is allowed)
+            shard["bytes"] -= n * layout(seg).frame_nbytes  # ragged values stay counted (>= is allowed)
             kept += [dict(seg, start=seg["start"] + lo, frames=hi - lo) for lo, hi in _runs(~dup)]
         files[name] = {"frames": have["frames"] + sum(s["frames"] for s in kept), "segments": have["segments"] + kept}
     shards.update((name, entry) for name, entry in mine_shards.items() if entry["frames"] > 0)
-    layouts = {Layout.from_json(g) for entry in shards.values() for g in entry["groups"].values()}
+    layouts = {layout_of[name, g] for name, entry in shards.items() for g in entry["groups"]}
     for key in ("failure", "replaces", "frames_per_rank"):
         meta.pop(key, None)
     meta.update(
@@ -238,25 +249,6 @@ def _check_fits(name: str, held: list[Layout], new: list[Layout]) -> None:
                 "give its frames the layout the dataset has, or append them under other filenames or to another dataset"
             )
         first = joined
-
-
-class _FrameIdx:
-    """A segment's frame indexes, read from its shard (each group's once)."""
-
-    def __init__(self, store: Store, shards: dict[str, dict]) -> None:
-        self.store, self.shards = store, shards
-        self._groups: dict[tuple[str, str], torch.Tensor] = {}
-
-    def layout(self, seg: dict) -> Layout:
-        return Layout.from_json(self.shards[seg["shard"]]["groups"][seg["group"]])
-
-    def __call__(self, seg: dict) -> torch.Tensor:
-        key = (seg["shard"], seg["group"])
-        if key not in self._groups:
-            f = SafetensorsFile(self.store.open(seg["shard"]))
-            version = int((f.metadata() or {}).get("version", "1"))
-            self._groups[key] = f.get_tensor(group_names(seg["group"], self.layout(seg), version).frame_idx)
-        return self._groups[key][seg["start"] : seg["start"] + seg["frames"]]
 
 
 def _runs(keep: torch.Tensor) -> list[tuple[int, int]]:

@@ -50,7 +50,7 @@ from .runstate import RunState, new_run
 from .segments import open_shard
 from .store import Store
 
-__all__ = ["from_index", "from_shards", "index_runs", "loose_shards", "partial_index", "shard_files"]
+__all__ = ["frame_idx_of", "from_index", "from_shards", "index_runs", "loose_shards", "partial_index", "shard_files"]
 
 
 def index_runs(store: Store) -> tuple[set[str], str | None, str | None]:
@@ -193,7 +193,7 @@ def from_shards(
     if len(runs) > 1:
         raise DatasetError(store.where, "shards", f"expected the shards of one run, got runs {sorted(runs)}")
     order_of = {name: shard_order(name, attempt) for name, attempt in attempt_of.items()}
-    frame_idx = _frame_idx_of(store, layout_of)
+    frame_idx = frame_idx_of(store, layout_of)
     duplicates, dropped = resolve(store, files, layout_of, order_of, frame_idx, policy, fixed)
     for name, (count, nbytes) in dropped.items():  # a dropped copy stays in its shard, listed by no segment
         shards[name]["frames"] -= count
@@ -235,7 +235,7 @@ def _shards_index(shards: dict[str, dict], files: dict[str, dict], metadata: dic
     }
 
 
-def _frame_idx_of(store: Store, layout_of: Mapping[tuple[str, str], Layout]) -> Callable[[str, str], torch.Tensor]:
+def frame_idx_of(store: Store, layout_of: Mapping[tuple[str, str], Layout]) -> Callable[[str, str], torch.Tensor]:
     """``frame_idx(shard, group)``: the group's frame indexes, read once."""
     cache: dict[tuple[str, str], torch.Tensor] = {}
 
