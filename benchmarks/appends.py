@@ -12,6 +12,9 @@ s3fs over HTTP, as jobs reach a bucket), each against its baseline in the same r
   F filenames (built by earlier appends, untimed): the commit's seconds against S and F; the
   baseline is the commit into an empty dataset. A commit reads the newest snapshot and writes a
   whole new one, so it costs O(S + F) bytes of JSON each way.
+- ``compaction``: J jobs append frames of the same F filenames (each filename a segment per job),
+  then ``tdgather.compact`` rewrites them: its seconds against saving the same frames in one run
+  (the bytes written once), and the seconds to read every frame before and after.
 
 Run ``python -m benchmarks.appends --help``.
 """
@@ -92,6 +95,42 @@ def listed(path: str, options: dict | None, shards: int, files: int, frames_per_
     return time.perf_counter() - t
 
 
+def compaction(path: str, options: dict | None, jobs: int, files: int, frames: int) -> dict:
+    """``jobs`` appends of ``files`` filenames each (all jobs sending frames of every filename), then one compaction.
+
+    Timed: the compaction; the same frames saved by one run (the bytes written once: the baseline);
+    reading every frame before and after (the reader's gain: one shard and one segment a filename).
+    """
+    kw = {"storage_options": options} if options else {}
+    per = frames // jobs
+
+    def share(job: int) -> dict:
+        return {
+            f"f{k:06d}.mp4": [(t, torch.full((64,), float(t))) for t in range(job * per, (job + 1) * per)]
+            for k in range(files)
+        }
+
+    for job in range(jobs):  # untimed
+        tdgather.save(tdgather.gather(share(job)), path, append=True, **kw)
+    whole = {n: [x for job in range(jobs) for x in share(job)[n]] for n in share(0)}
+    t = time.perf_counter()
+    tdgather.save(tdgather.gather(whole), path + "-one-run", **kw)
+    one_run = time.perf_counter() - t
+    read_before = _read_all(path, options)
+    t = time.perf_counter()
+    tdgather.compact(path, options)
+    took = time.perf_counter() - t
+    return {"compact": took, "one_run": one_run, "before": read_before, "after": _read_all(path, options)}
+
+
+def _read_all(path: str, options: dict | None) -> float:
+    t = time.perf_counter()
+    ds = tdgather.open(path, storage_options=options)
+    for name in ds:
+        ds[name]
+    return time.perf_counter() - t
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.appends", description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", default="1,4,16", help="jobs committing at once (comma-separated)")
@@ -101,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         "--listed", default="0:0,16:10000,64:100000", help="shards:filenames already listed (comma-separated)"
     )
     parser.add_argument("--stores", default="local,s3", help="local, s3 (moto), or both")
+    parser.add_argument(
+        "--compact", default="16:1000:64", help="jobs:filenames:frames a filename, appended then compacted ('' skips)"
+    )
     args = parser.parse_args(argv)
     print(f"- command: `python -m benchmarks.appends {' '.join(argv if argv is not None else sys.argv[1:])}`")
     print(f"- machine: {machine()}")
@@ -127,6 +169,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"| {store} | listed | {shards} shards, {files} filenames listed | {t:.3f} | | | "
                     f"{t / first:.1f}x into an empty dataset | |"
+                )
+            if args.compact:
+                jobs, files, frames = map(int, args.compact.split(":"))
+                c = compaction(root(), options, jobs, files, frames)
+                print(
+                    f"| {store} | compaction | {jobs} jobs x {files} filenames, {frames} frames each | "
+                    f"{c['compact']:.3f} | | | {c['compact'] / c['one_run']:.2f}x saving the frames in one run "
+                    f"({c['one_run']:.3f} s); "
+                    f"reading every frame {c['before']:.3f} s before, {c['after']:.3f} s after | |"
                 )
     return 0
 

@@ -23,6 +23,8 @@ from .errors import (
     UnsupportedValueError,
 )
 from .integrations.hf import to_hf
+from .storage.compact import compact
+from .storage.expire import Expired, expire
 from .storage.reader import Dataset
 from .storage.reader import open_dataset as open
 from .storage.resume import saved_at
@@ -46,6 +48,7 @@ __all__ = [
     "DuplicateCounts",
     "DuplicateFrameError",
     "ExportError",
+    "Expired",
     "DuplicatePolicy",
     "FrameConflictError",
     "FrameStore",
@@ -66,6 +69,8 @@ __all__ = [
     "Terminated",
     "UnsupportedValueError",
     "collate_frames",
+    "compact",
+    "expire",
     "gather",
     "open",
     "padded",

@@ -295,13 +295,11 @@ def test_appending_to_a_dataset_written_plainly(tmp_path):
 # ---------------------------------------------------------------- refusals
 
 
-def test_append_with_overwrite_or_resume_is_refused(tmp_path):
+def test_append_with_overwrite_is_refused(tmp_path):
     path = tmp_path / "ds"
     words = r"append=True adds this job's frames to the dataset as a new snapshot; {}=True does not go with it"
     with pytest.raises(OutputError, match=words.format("overwrite")):
         DatasetWriter(path, append=True, overwrite=True)
-    with pytest.raises(OutputError, match=words.format("resume")):
-        DatasetWriter(path, append=True, resume=True)
     with pytest.raises(OutputError, match=words.format("overwrite")):
         with tdgather.Collector(path, append=True, overwrite=True, progress=False):
             pass

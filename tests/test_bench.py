@@ -245,7 +245,23 @@ def test_appends_smoke(capsys):
     from benchmarks.appends import main as appends
 
     assert (
-        appends(["--jobs", "1,2", "--frames", "16", "--files", "2", "--listed", "0:0,2:20", "--stores", "local"]) == 0
+        appends(
+            [
+                "--jobs",
+                "1,2",
+                "--frames",
+                "16",
+                "--files",
+                "2",
+                "--listed",
+                "0:0,2:20",
+                "--stores",
+                "local",
+                "--compact",
+                "2:3:4",
+            ]
+        )
+        == 0
     )
     rows = [
         line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| local")
@@ -255,5 +271,7 @@ def test_appends_smoke(capsys):
         ["concurrent", "2 jobs at once"],
         ["listed", "0 shards, 0 filenames listed"],
         ["listed", "2 shards, 20 filenames listed"],
+        ["compaction", "2 jobs x 3 filenames, 4 frames each"],
     ]
     assert rows[1][-1] == "1..2"  # both jobs committed: snapshots 1 and 2, none lost
+    assert "x saving the frames in one run" in " ".join(rows[-1])

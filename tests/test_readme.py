@@ -39,7 +39,7 @@ PAGES = {
     "docs/how-it-works.md": 0,
     "docs/inputs.md": 1,
     "docs/integrations.md": 2,
-    "docs/many-jobs.md": 2,
+    "docs/many-jobs.md": 4,
     "docs/object-storage.md": 2,
     "docs/ragged.md": 1,
     "docs/reading.md": 4,
@@ -94,11 +94,15 @@ def _format(out: Path, logs: str) -> None:
 
 
 def _many_jobs(out: Path, logs: str) -> None:
-    names = sorted(os.listdir(out / "many_jobs"))  # two jobs' shards, named by their runs, and their two commits
-    assert len(names) == 4 and all(re.fullmatch(r"shard-00000\.[0-9a-f]{12}-1\.safetensors", n) for n in names[:2])
-    assert names[2:] == ["tdgather.snapshot-00000001.json", "tdgather.snapshot-00000002.json"], names
     assert "added 7, dropped 2, 16 frames in all" in logs, logs[-3000:]
     assert "['shared.mp4', 'video_0.mp4', 'video_1.mp4'] [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]" in logs, logs[-3000:]
+    names = sorted(os.listdir(out / "many_jobs"))  # compacted, then expired: one shard, one snapshot, the job's marks
+    assert len(names) == 4 and re.fullmatch(r"shard-00000\.[0-9a-f]{12}-1\.safetensors", names[0]), names
+    assert all(re.fullmatch(rf"tdgather\.job-[0-9a-f]{{16}}-000{k}\.json", names[k]) for k in (1, 2)), names
+    assert names[3] == "tdgather.snapshot-00000004.json", names
+    computed = re.search(r"computed (\d) of 8 task-3 3", logs)
+    assert computed and int(computed[1]) < 8, logs[-3000:]  # the second attempt continued the first
+    assert "4 3 24" in logs and "(1, 2, 3) (4,) 4" in logs, logs[-3000:]
 
 
 def _object_storage(out: Path, logs: str) -> None:

@@ -116,8 +116,10 @@ class Collector:
             index. Nothing saved: a fresh run.
         append: add this job's frames to the dataset at ``path`` (created if absent) as its next
             snapshot, beside other jobs' (a SLURM array's tasks, plain processes), each frame kept
-            once (docs/many-jobs.md). Not with ``overwrite`` or ``resume``: a job that failed before
-            its commit added nothing; run it again.
+            once: a copy of a frame the dataset holds is resolved by ``duplicates`` at the commit, as
+            copies within the job are (docs/many-jobs.md). Not with ``overwrite``. With ``resume``,
+            a job run again continues its run: the shards its earlier attempts wrote are ``saved``,
+            found by the job's key (``TDGATHER_JOB``, or the scheduler's id; `tdgather.storage.jobmark`).
         ranks_per_writer: one writer per block of this many consecutive ranks (a node: torchrun's
             ``LOCAL_WORLD_SIZE``), instead of rank ``dst`` alone. Each block's first rank receives its
             block's frames and writes them as shards of its own into ``<path>.partial``, which every

@@ -203,14 +203,24 @@ def _difference(a: torch.Tensor, b: torch.Tensor, policy: DuplicatePolicy) -> tu
     return d.amax(1), close
 
 
-def conflict(name: str, frame: int, how: str, policy: Any, who: str, where: str = "") -> DuplicateFrameError:
-    """The error for copies of one frame that the policy refuses; ``how`` says how they differ."""
+_PADDING_FIX = (
+    "Copies of a frame from DistributedSampler padding differ in the last bits when the model ran them in other "
+    "batches: use duplicates='keep' (the default) or a wider tolerance; if two different predictions claim the "
+    "same frame, check how frames are assigned to ranks"
+)
+
+
+def conflict(
+    name: str, frame: int, how: str, policy: Any, who: str, where: str = "", fix: str | None = None
+) -> DuplicateFrameError:
+    """The error for copies of one frame that the policy refuses; ``how`` says how they differ.
+
+    ``who`` names the two senders, kept copy first; ``fix`` says what to do (default: the advice for
+    copies within one run, which come from a padding sampler or overlapping shares).
+    """
     return DuplicateFrameError(
         f"filename {name!r}, frame_idx {frame}: {who} sent values that differ{where} ({how}), and the "
-        f"duplicates policy is {DuplicatePolicy.of(policy).describe()}. Copies of a "
-        "frame from DistributedSampler padding differ in the last bits when the model ran them in other batches: "
-        "use duplicates='keep' (the default) or a wider tolerance; if two different predictions claim the same "
-        "frame, check how frames are assigned to ranks"
+        f"duplicates policy is {DuplicatePolicy.of(policy).describe()}. {fix or _PADDING_FIX}"
     )
 
 

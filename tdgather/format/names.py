@@ -50,6 +50,7 @@ __all__ = [
     "SHARD_VERSION",
     "SHARD_VERSIONS",
     "SNAPSHOT_NAME",
+    "JOB_MARK_NAME",
     "VERSIONS",
     "WRITERS_VERSION",
     "GroupNames",
@@ -61,6 +62,7 @@ __all__ = [
     "shard_numbers",
     "shard_order",
     "snapshot_name",
+    "job_mark_name",
 ]
 
 _SAFE = frozenset(chr(c) for c in range(0x20, 0x7F)) - {"%", ".", ":"}
@@ -146,10 +148,20 @@ SHARD_NAME = re.compile(SHARD_PATTERN)
 # snapshot N of a dataset that jobs append to (`tdgather.storage.append`): an index, written once, never replaced
 SNAPSHOT_PATTERN = r"tdgather\.snapshot-([0-9]{8,})\.json"
 SNAPSHOT_NAME = re.compile(SNAPSHOT_PATTERN)
+# an attempt of a job that appends and resumes (`tdgather.storage.jobmark`): the hash of its key, the attempt
+JOB_MARK_PATTERN = r"tdgather\.job-([0-9a-f]{16})-([0-9]{4,})\.json"
+JOB_MARK_NAME = re.compile(JOB_MARK_PATTERN)
 # every name tdgather writes into a dataset: the only files it ever replaces or removes
 OURS = re.compile(
     "("
-    + "|".join([SHARD_PATTERN, SNAPSHOT_PATTERN, *(re.escape(n) for n in (INDEX_NAME, INCOMPLETE_NAME, RUN_NAME))])
+    + "|".join(
+        [
+            SHARD_PATTERN,
+            SNAPSHOT_PATTERN,
+            JOB_MARK_PATTERN,
+            *(re.escape(n) for n in (INDEX_NAME, INCOMPLETE_NAME, RUN_NAME)),
+        ]
+    )
     + ")"
 )
 GROUP_NAME = re.compile(r"g[0-9]+")
@@ -159,6 +171,15 @@ CRC32_MAX = 2**32 - 1  # a local shard's CRC-32 is an integer in 0..CRC32_MAX (v
 
 _NAME = re.compile(r"shard-([0-9]{5,})(?:-([0-9]{5,}))?(?:\.([0-9a-f]{12})-([0-9]{1,9}))?\.safetensors")
 RUN_TAG = 12  # hex digits of the run id a tagged shard name carries
+
+
+def job_mark_name(key_hash: str, attempt: int) -> str:
+    """The mark of attempt ``attempt`` of the job whose key hashes to ``key_hash`` (`tdgather.storage.jobmark`).
+
+    >>> JOB_MARK_NAME.fullmatch(job_mark_name("0123456789abcdef", 2)).groups()
+    ('0123456789abcdef', '0002')
+    """
+    return f"tdgather.job-{key_hash}-{attempt:04d}.json"
 
 
 def snapshot_name(number: int) -> str:

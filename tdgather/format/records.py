@@ -280,6 +280,8 @@ class SnapshotRecord:
         added: the frames the job added.
         duplicates_dropped: frames the job sent that the parent already held (each frame is kept once).
         user: the job's ``metadata=`` (the dataset's ``metadata.user`` is the first commit's).
+        compacted: for a compaction's snapshot, the snapshot whose frames it rewrote into new shards
+            (`tdgather.compact`); None for a job's (absent in records written before compaction existed).
     """
 
     version: int
@@ -291,6 +293,7 @@ class SnapshotRecord:
     added: int
     duplicates_dropped: int
     user: Mapping[str, Any] = field(default_factory=dict)
+    compacted: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The record as the snapshot holds it."""
@@ -299,9 +302,12 @@ class SnapshotRecord:
     @classmethod
     def from_json(cls, obj: Any, c: Any, where: str) -> SnapshotRecord:
         """A snapshot record read from a file, every field checked."""
-        c.obj(obj, where, set(cls.__dataclass_fields__))
+        fields = set(cls.__dataclass_fields__)
+        c.obj(obj, where, fields if isinstance(obj, dict) and "compacted" in obj else fields - {"compacted"})
         parent = None if obj["parent"] is None else c.int(obj["parent"], f"{where}.parent")
         job = None if obj["job"] is None else c.str(obj["job"], f"{where}.job")
+        compacted = obj.get("compacted")
+        compacted = None if compacted is None else c.int(compacted, f"{where}.compacted")
         return cls(
             c.int(obj["version"], f"{where}.version"),
             parent,
@@ -312,4 +318,5 @@ class SnapshotRecord:
             c.int(obj["added"], f"{where}.added"),
             c.int(obj["duplicates_dropped"], f"{where}.duplicates_dropped"),
             c.mapping(obj["user"], f"{where}.user"),
+            compacted,
         )

@@ -6,12 +6,13 @@ follow the index, and a duplicates policy that refuses a copy fails the run, as 
 writer. The copy kept is the first by (attempt, writer, shard, row): an earlier attempt's copy
 stays (as with one writer, where the copy on disk stays), and within an attempt the lowest
 writer's, which holds the lowest ranks, so the frames kept are those a single writer keeps. A
-copy dropped stays in its shard, listed by no segment.
+copy dropped stays in its shard, listed by no segment. An append's commit resolves a job's copies
+of frames the dataset already holds the same way (`tdgather.storage.append.merge`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -35,6 +36,8 @@ def resolve(
     frame_idx: Any,
     policy: Any,
     fixed: bool = False,
+    source: Callable[[str], str] | None = None,
+    fix: str | None = None,
 ) -> tuple[DuplicateCounts, dict[str, list[int]]]:
     """Keep the first copy of every frame held by several shards' sources; drop the rest from ``files``.
 
@@ -49,6 +52,10 @@ def resolve(
         policy: the duplicates policy; a copy it refuses raises `DuplicateFrameError`.
         fixed: frames declared fixed (``ragged=False``): a filename's segments may not differ in a
             leaf's first dim (else they may: the leaf reads as ragged).
+        source: ``source(shard)``: who sent a shard's copies, as the refusal names them (default: its
+            writer, ``writer 1 (shard-00001-00000.safetensors)``); an append names jobs instead.
+        fix: what the refusal tells the user to do (default: `tdgather.core.duplicates.conflict`'s, for
+            copies within one run).
 
     Returns:
         The copies dropped, counted, and per shard the ``[frames, bytes]`` dropped from it.
@@ -70,8 +77,9 @@ def resolve(
         if len({order_of[s["shard"]][:2] for s in segments}) > 1:
             candidates.append(name)
     counts, dropped = DuplicateCounts(), {}
+    refusal = (source or _writer, fix)
     for name in _holding_copies(candidates, files, frame_idx):
-        counts += _resolve_one(store, name, files[name], layout_of, order_of, frame_idx, policy, dropped)
+        counts += _resolve_one(store, name, files[name], layout_of, order_of, frame_idx, policy, dropped, refusal)
     return counts, dropped
 
 
@@ -125,8 +133,11 @@ def _holding_copies(names: list[str], files: Mapping[str, dict], frame_idx: Any)
     return [names[k] for k in f[1:][twice].unique().tolist()]
 
 
-def _resolve_one(store, name, entry, layout_of, order_of, frame_idx, policy, dropped) -> DuplicateCounts:
-    """One filename's copies: the first by precedence kept, the others compared, counted and split out."""
+def _resolve_one(store, name, entry, layout_of, order_of, frame_idx, policy, dropped, refusal) -> DuplicateCounts:
+    """One filename's copies: the first by precedence kept, the others compared, counted and split out.
+
+    ``refusal``: ``(source, fix)``, how a copy the policy refuses is named (`resolve`).
+    """
     segments = sorted(entry["segments"], key=lambda s: (order_of[s["shard"]], s["start"]))
     idx = [frame_idx(s["shard"], s["group"])[s["start"] : s["start"] + s["frames"]] for s in segments]
     flat = torch.cat(idx)
@@ -140,7 +151,7 @@ def _resolve_one(store, name, entry, layout_of, order_of, frame_idx, policy, dro
         if order_of[segments[a]["shard"]][:2] == order_of[segments[b]["shard"]][:2]:
             where = store.path(segments[a]["shard"])
             raise DatasetError(where, f"files[{name!r}]", "expected each frame once, got a frame in two segments")
-    verdict, nbytes = _compare(store, name, segments, idx, which, later, kept, layout_of, policy)
+    verdict, nbytes = _compare(store, name, segments, idx, which, later, kept, layout_of, policy, refusal)
     for k, size in zip(which[later].tolist(), nbytes.tolist(), strict=True):
         shard = dropped.setdefault(segments[k]["shard"], [0, 0])
         shard[0] += 1
@@ -152,7 +163,9 @@ def _resolve_one(store, name, entry, layout_of, order_of, frame_idx, policy, dro
     return verdict
 
 
-def _compare(store, name, segments, idx, which, later, kept, layout_of, policy) -> tuple[DuplicateCounts, torch.Tensor]:
+def _compare(
+    store, name, segments, idx, which, later, kept, layout_of, policy, refusal
+) -> tuple[DuplicateCounts, torch.Tensor]:
     """Read the rows of each copy dropped and of the copy kept (a span per segment), and compare them.
 
     Returns the counts, and each dropped copy's bytes.
@@ -188,7 +201,8 @@ def _compare(store, name, segments, idx, which, later, kept, layout_of, policy) 
         k = int(verdict.refused.nonzero()[0])
         a, b = segments[int(which[later[k]])]["shard"], segments[int(which[kept[k]])]["shard"]
         frame = int(torch.cat(idx)[later[k]])
-        raise conflict(name, frame, verdict.describe(k), policy, f"{_writer(b)} and {_writer(a)}")
+        source, fix = refusal
+        raise conflict(name, frame, verdict.describe(k), policy, f"{source(b)} and {source(a)}", fix=fix)
     nbytes = torch.full((len(new),), layout.frame_nbytes, dtype=torch.int64)
     for leaf, t in zip(layout.leaves, copies, strict=True):
         if leaf.ragged:
@@ -197,6 +211,7 @@ def _compare(store, name, segments, idx, which, later, kept, layout_of, policy) 
 
 
 def _writer(shard: str) -> str:
+    """Who sent a shard's copies, within one run: its writer (rank dst's, for the single writer's shards)."""
     writer = shard_numbers(shard)[0]
     return f"rank dst ({shard})" if writer is None else f"writer {writer} ({shard})"
 

@@ -32,7 +32,7 @@ from ..core.frames import Frames, Layout
 from ..core.promote import promote_columns
 from ..core.ragged import Ragged
 from ..core.rebuild import rebuild
-from ..errors import OutputError
+from ..errors import DatasetError, OutputError
 from ..format.check import (
     Check,
     check_index,
@@ -49,6 +49,7 @@ from .outdir import staging_of
 from .scan import loose_shards, partial_index
 from .segments import OpenShard, cat_columns, nested, offsets_of_rows, open_shard, read_picked, read_rows
 from .snapshots import index_name as snapshot_file
+from .snapshots import snapshot_numbers
 from .store import LocalStore, Store, digest
 from .views import FrameDataset
 
@@ -301,7 +302,10 @@ class Dataset(Mapping[str, Frames]):
             if got is not None:
                 self._open.move_to_end(shard)
                 return got
-        f = open_shard(self.store, shard, self._index, field)
+        try:
+            f = open_shard(self.store, shard, self._index, field)
+        except DatasetError as e:
+            raise self._expired(shard) or e from e
         c = Check(self.store.path(shard))
         check_run(f, c, self._run, shard)
         check_shard(f, c, shard, self.index["shards"][shard]["groups"], self._plan, self._index)
@@ -311,6 +315,18 @@ class Dataset(Mapping[str, Frames]):
             while len(self._open) > OPEN_SHARDS:
                 self._open.popitem(last=False)
         return opened
+
+    def _expired(self, shard: str) -> OutputError | None:
+        """Where ``shard`` is gone because this snapshot expired (`tdgather.storage.expire`): the error that says so."""
+        mine = (self.index.get("snapshot") or {}).get("version", 0)
+        numbers = snapshot_numbers(self.store)
+        if self.store.size(shard) is not None or not numbers or numbers[-1] <= mine:
+            return None  # the newest snapshot, or no snapshots: a shard missing from it is damage
+        return OutputError(
+            f"{str(self.path)!r}: shard {shard} of snapshot {mine}, which this Dataset reads, is gone: snapshot "
+            f"{mine} was superseded, then expired (tdgather.expire removes what only expired snapshots list). Open "
+            f"the dataset again: tdgather.open(path) reads the newest snapshot, {numbers[-1]}"
+        )
 
     def segments(self, name: str, only: int | None = None) -> Iterator[tuple[OpenShard, str, int, int]]:
         """Each segment of ``name`` (or only segment ``only``): its open shard, group, and rows ``lo, hi``."""

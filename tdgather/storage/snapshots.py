@@ -21,7 +21,7 @@ from ..format.records import SnapshotRecord
 from .location import store_at
 from .store import Store
 
-__all__ = ["Snapshot", "check_not_appended", "index_name", "snapshot_numbers", "snapshots"]
+__all__ = ["Snapshot", "check_not_appended", "index_name", "snapshot_at", "snapshot_numbers", "snapshots"]
 
 
 def snapshot_numbers(store: Store, listing: Any = None) -> list[int]:
@@ -78,6 +78,8 @@ class Snapshot:
         frames, filenames: what the snapshot holds in all.
         added: the frames the job added; duplicates_dropped: those it sent that an earlier
             snapshot already held (dropped: each frame is in the dataset once).
+        compacted: for a compaction's snapshot (`tdgather.compact`), the snapshot whose frames it
+            rewrote into new shards (it adds none); None for a job's.
     """
 
     version: int
@@ -89,6 +91,27 @@ class Snapshot:
     filenames: int
     added: int
     duplicates_dropped: int
+    compacted: int | None = None
+
+
+def snapshot_at(store: Store, number: int) -> Snapshot:
+    """Snapshot ``number`` of ``store``, as its metadata and record say (checked); nothing else is read.
+
+    Raises:
+        DatasetError: its record is malformed, or names another version than its file.
+    """
+    name = INDEX_NAME if number == 0 else snapshot_name(number)
+    c = Check(store.path(name))
+    index = c.mapping(load_json(store.read(name), c, "index"), "index")
+    meta = c.mapping(index.get("metadata"), "metadata")
+    frames = c.int(meta.get("total_frames"), "metadata.total_frames")
+    filenames = c.int(meta.get("num_filenames"), "metadata.num_filenames")
+    if number == 0:
+        return Snapshot(0, None, meta.get("run"), None, None, frames, filenames, frames, 0)
+    r = SnapshotRecord.from_json(index.get("snapshot"), c, "snapshot")
+    if r.version != number:
+        raise DatasetError(c.file, "snapshot.version", f"expected {number}, the number in its name, got {r.version}")
+    return Snapshot(number, r.made, r.run, r.host, r.job, frames, filenames, r.added, r.duplicates_dropped, r.compacted)
 
 
 def snapshots(path: str | os.PathLike, storage_options: dict | None = None) -> list[Snapshot]:
@@ -100,21 +123,4 @@ def snapshots(path: str | os.PathLike, storage_options: dict | None = None) -> l
         DatasetError: a snapshot whose record is malformed (named).
     """
     store = store_at(path, storage_options)
-    out = []
-    for number in snapshot_numbers(store):
-        name = INDEX_NAME if number == 0 else snapshot_name(number)
-        c = Check(store.path(name))
-        index = c.mapping(load_json(store.read(name), c, "index"), "index")
-        meta = c.mapping(index.get("metadata"), "metadata")
-        frames = c.int(meta.get("total_frames"), "metadata.total_frames")
-        filenames = c.int(meta.get("num_filenames"), "metadata.num_filenames")
-        if number == 0:
-            out.append(Snapshot(0, None, meta.get("run"), None, None, frames, filenames, frames, 0))
-            continue
-        r = SnapshotRecord.from_json(index.get("snapshot"), c, "snapshot")
-        if r.version != number:
-            raise DatasetError(
-                c.file, "snapshot.version", f"expected {number}, the number in its name, got {r.version}"
-            )
-        out.append(Snapshot(number, r.made, r.run, r.host, r.job, frames, filenames, r.added, r.duplicates_dropped))
-    return out
+    return [snapshot_at(store, number) for number in snapshot_numbers(store)]

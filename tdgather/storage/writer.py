@@ -46,10 +46,11 @@ from ..format.names import (
     shard_name,
 )
 from ..format.records import Attempt, Failure, IndexMeta, ShardRecord
+from .append import AppendOutput
 from .atomic import LocalFS
 from .catalog import Catalog
 from .ondisk import compare_written, drop_written
-from .output import output_at
+from .output import Output, output_at
 from .runstate import RunState
 from .scan import from_shards
 from .shards import Item, fill, frame_bytes, items_of, shard_tensors
@@ -101,10 +102,12 @@ class DatasetWriter:
         store: Store | None = None,
         fixed: bool = False,
         append: bool = False,
+        output: Output | None = None,
     ) -> None:
-        # where the files go, and how they are committed (append: as a new snapshot, beside other jobs')
-        self.out = output_at(path, storage_options, fs, store, append)
-        self.policy = DuplicatePolicy.of(duplicates)
+        # where the files go, and how they are committed (append: as a new snapshot, beside other jobs');
+        # ``output``: an `Output` made by the caller (a compaction's, `tdgather.storage.compact`)
+        self.out = output or output_at(path, storage_options, fs, store, append)
+        self.set_policy(DuplicatePolicy.of(duplicates))
         self.fixed = fixed  # frames declared fixed (ragged=False): a filename's first dims may not change
         self.max_shard_bytes = max_shard_bytes
         self.writer, self.joins = writer, joins
@@ -292,8 +295,14 @@ class DatasetWriter:
         return self.out.commit(self._index(metadata), self.shards)
 
     def set_policy(self, policy: DuplicatePolicy) -> None:
-        """The duplicates policy for the writes that follow."""
+        """The duplicates policy for the writes that follow, and (``append=True``) for the commit's.
+
+        An append's commit resolves this job's copies of frames the dataset already holds by it too
+        (`tdgather.storage.append.merge`), as copies within the run are.
+        """
         self.policy = policy
+        if isinstance(self.out, AppendOutput):
+            self.out.policy = policy
 
     def discard(self) -> None:
         """Remove what this run wrote, unless it was committed; for a caller that still holds the frames (`save`)."""

@@ -3,7 +3,8 @@
 ``tdgather demo`` runs the demo job on a local CPU world; ``tdgather inspect
 PATH`` describes a saved dataset (``--frames FILENAME``: one filename's frames and
 value statistics); ``tdgather snapshots PATH`` lists the snapshots of a dataset that
-jobs append to, one line each; ``tdgather export-hf PATH OUT`` writes it as a Hugging Face
+jobs append to, one line each (``tdgather compact PATH`` rewrites the newest into fewer shards,
+``tdgather expire PATH`` removes old ones); ``tdgather export-hf PATH OUT`` writes it as a Hugging Face
 ``datasets`` dataset (``--parquet``: Parquet shards). (The benchmark suite lives in ``benchmarks/`` of a
 source checkout: ``python -m benchmarks.suite``; the package never imports it.)
 """
@@ -235,6 +236,7 @@ def _snapshots(args: argparse.Namespace) -> int:
     )
     for s in found:
         who = "/".join(x for x in (s.job, s.host) if x) or "-"
+        who = who if s.compacted is None else f"compaction of {s.compacted}: {who}"
         print(
             f"{s.version:>7}  {s.made or '-':<29}  {(s.run or '-')[:12]:<12}  {s.frames:>9}  {s.filenames:>9}  "
             f"{s.added:>9}  {s.duplicates_dropped:>18}  {who}"
@@ -245,6 +247,58 @@ def _snapshots(args: argparse.Namespace) -> int:
         f"(tdgather.open(path, version=N): snapshot N as it was committed)"
     )
     return 0
+
+
+def _compact(args: argparse.Namespace) -> int:
+    """Rewrite the newest snapshot's frames into fewer shards, as the next snapshot."""
+    from ..storage.compact import compact
+
+    s = compact(args.path, args.storage_options, max_shard_bytes=args.max_shard_bytes)
+    print(
+        f"snapshot {s.version}: snapshot {s.compacted}'s {s.frames} frames of {s.filenames} filenames in new shards "
+        "(nothing removed: tdgather expire PATH removes what only older snapshots list)"
+    )
+    return 0
+
+
+def _expire(args: argparse.Namespace) -> int:
+    """Remove snapshots superseded more than --older-than ago, and the shards only they list."""
+    from ..storage.expire import expire
+
+    got = expire(
+        args.path, args.storage_options, older_than=args.older_than, orphans=args.orphans, dry_run=args.dry_run
+    )
+    verb = "would remove" if args.dry_run else "removed"
+    print(
+        f"{verb} {len(got.snapshots)} snapshot(s) {_ranges(got.snapshots)} and {len(got.shards)} shard(s), "
+        f"{got.bytes:,} bytes; kept {len(got.kept)} snapshot(s) {_ranges(got.kept)}"
+    )
+    for name in got.shards:
+        print(f"  {name}")
+    return 0
+
+
+def _ranges(numbers: tuple[int, ...]) -> str:
+    """``(1, 2, 3, 7)`` as ``[1-3, 7]``."""
+    out: list[list[int]] = []
+    for n in numbers:
+        if out and out[-1][1] == n - 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    return "[" + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in out) + "]"
+
+
+def _duration(text: str) -> float:
+    """``90``, ``90s``, ``15m``, ``6h`` or ``7d``: seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a duration like 90s, 15m, 6h or 7d, got {text!r}")
+    return value
 
 
 def _export_hf(args: argparse.Namespace) -> int:
@@ -335,6 +389,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     snaps.add_argument("path", help="a dataset directory, or an object store URL (s3://bucket/prefix, ...)")
     _storage_options(snaps)
     snaps.set_defaults(run=_snapshots)
+    comp = sub.add_parser(
+        "compact", help="rewrite the newest snapshot's frames into fewer shards, committed as the next snapshot"
+    )
+    comp.add_argument("path", help="a dataset directory, or an object store URL (s3://bucket/prefix, ...)")
+    comp.add_argument(
+        "--max-shard-bytes", type=_positive, default=1 << 30, help="bytes per compacted shard, at most (default 1 GiB)"
+    )
+    _storage_options(comp)
+    comp.set_defaults(run=_compact)
+    exp = sub.add_parser(
+        "expire", help="remove snapshots superseded more than --older-than ago, and the shards only they list"
+    )
+    exp.add_argument("path", help="a dataset directory, or an object store URL (s3://bucket/prefix, ...)")
+    exp.add_argument(
+        "--older-than",
+        type=_duration,
+        default=7 * 86400.0,
+        metavar="DURATION",
+        help="how long a superseded snapshot stays readable: 90s, 15m, 6h, 7d (default 7d)",
+    )
+    exp.add_argument(
+        "--orphans", action="store_true", help="also remove shards no snapshot lists (only while no job appends)"
+    )
+    exp.add_argument("--dry-run", action="store_true", help="remove nothing; print what would go")
+    _storage_options(exp)
+    exp.set_defaults(run=_expire)
     export = sub.add_parser("export-hf", help="write a dataset as Hugging Face datasets (Arrow, or --parquet)")
     export.add_argument("path", help="the tdgather dataset")
     export.add_argument("out", help="a new directory to write")
