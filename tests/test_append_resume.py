@@ -200,3 +200,15 @@ def test_a_job_killed_on_s3_continues_its_run_when_run_again(s3, url, tmp_path):
     assert saved > 0 and saved + computed == len(ITEMS)
     assert frames(tdgather.open(url, storage_options=s3)) == WHOLE
     assert tdgather.snapshots(url, storage_options=s3)[-1].added == len(ITEMS)
+
+
+def test_torchruns_own_run_id_is_not_a_key_it_changes_at_every_launch(tmp_path, monkeypatch):
+    for var in ("TDGATHER_JOB", "SLURM_ARRAY_JOB_ID", "SLURM_JOB_ID", "JOB_COMPLETION_INDEX"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "5b0c5c3e-run")
+    with pytest.raises(OutputError, match="set TDGATHER_JOB"):
+        DatasetWriter(tmp_path / "ds", append=True, resume=True)
+    w = DatasetWriter(tmp_path / "ds", append=True)  # without resume it appends; the snapshot names no key
+    w.write(tdgather.gather({"a.mp4": [(0, value("a.mp4", 0))]}))
+    w.commit({})
+    assert tdgather.snapshots(tmp_path / "ds")[-1].job is None

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import zlib
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -334,3 +336,72 @@ def test_a_snapshot_whose_duplicate_counts_were_edited_by_hand_stops_the_next_co
     with pytest.raises(DatasetError, match="metadata.duplicates: expected {exact, inexact, max_abs_diff}"):
         append(four, 4)
     assert [s.version for s in tdgather.snapshots(four)] == [1, 2, 3, 4]
+
+
+def test_jobs_commit_while_a_loop_compacts_and_expires_everything_at_once(tmp_path):
+    """``older_than=0`` removes what a committing job is reading: its commit reads the newest again."""
+    path = tmp_path / "ds"
+    append(path, 0)
+    stop, errors = threading.Event(), []
+
+    def maintain() -> None:
+        while not stop.is_set():
+            try:
+                tdgather.compact(path)
+                tdgather.expire(path, older_than=0)
+            except BaseException as e:  # reported below
+                errors.append(e)
+                return
+
+    t = threading.Thread(target=maintain)
+    t.start()
+    try:
+        for job in range(1, 8):
+            append(path, job)
+    finally:
+        stop.set()
+        t.join(120)
+    assert not errors, errors[0]
+    assert_same(contents(tdgather.open(path)), expected(range(8)))
+    assert sum(s.compacted is None for s in tdgather.snapshots(path)) <= 8  # expired: only the newest few left
+
+
+def test_orphans_go_only_if_tdgather_wrote_them_and_with_killed_writes_temporaries(four):
+    stray = four / "shard-00099.safetensors"
+    stray.write_bytes(b"not a shard")
+    with pytest.raises(OutputError, match="named like a shard but not one tdgather wrote"):
+        tdgather.expire(four, older_than=0, orphans=True)
+    assert stray.exists() and [s.version for s in tdgather.snapshots(four)] == [1, 2, 3, 4]  # nothing removed
+    stray.unlink()
+    temp = four / ".shard-00000.0123456789ab-1.safetensors.tmp-123456"  # a write killed before its rename
+    temp.write_bytes(b"half a shard")
+    got = tdgather.expire(four, older_than=timedelta(days=1), orphans=True)
+    assert got.shards == (temp.name,) and got.bytes == 12 and not temp.exists()
+
+
+def test_what_compact_expire_and_open_refuse(four, tmp_path):
+    with pytest.raises(ValueError, match="max_shard_bytes: expected an int >= 1, got 0"):
+        tdgather.compact(four, max_shard_bytes=0)
+    with pytest.raises(TypeError, match="version: expected a snapshot number"):
+        tdgather.open(four, version="2")
+    assert len(tdgather.open(four, version=np.int64(2))) == 4  # a numpy integer is a number: a, b, own-0, own-1
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match="is a file, not a dataset directory"):
+        append(tmp_path / "file", 0)
+
+
+def test_an_export_of_an_expired_snapshot_is_told_to_open_again(four):
+    pytest.importorskip("datasets")
+    reader = tdgather.open(four)
+    tdgather.compact(four)
+    tdgather.expire(four, older_than=0)
+    with pytest.raises(OutputError, match="is gone"):
+        reader.to_hf()
+
+
+def test_compacting_again_with_nothing_committed_since_writes_nothing(four):
+    first = tdgather.compact(four)
+    listing = files(four)
+    assert tdgather.compact(four) == first and files(four) == listing
+    append(four, 4)
+    assert tdgather.compact(four).compacted == 6

@@ -273,8 +273,8 @@ def _fingerprint(dataset: Dataset, names: Sequence[str], features: Any) -> str:
     """What the rows depend on: the index, each shard's size and mtime, the filenames and features."""
     h = hashlib.sha256(json.dumps(dataset.index, sort_keys=True).encode())
     for shard, entry in sorted(dataset.index["shards"].items()):
-        if "sha256" in entry:
-            h.update(f"{shard}:{entry['sha256']};".encode())
+        if "sha256" in entry or "crc32" in entry:  # the checksum the index records (a shard is never rewritten)
+            h.update(f"{shard}:{entry.get('sha256', entry.get('crc32'))};".encode())
         else:  # an index before version 5: the file's size and time
             st = os.stat(dataset.store.path(shard))
             h.update(f"{shard}:{st.st_size}:{st.st_mtime_ns};".encode())

@@ -107,6 +107,11 @@ class AppendOutput:
                 "S3); this one checks, then writes, so two jobs committing at once could lose one's frames"
             )
         if self.store.atomic_rename:
+            if os.path.exists(self.store.where) and not os.path.isdir(self.store.where):
+                raise OutputError(
+                    f"{str(self.target)!r} is a file, not a dataset directory: append=True adds to a directory "
+                    "(created if absent): choose another path"
+                )
             os.makedirs(self.store.where, exist_ok=True)
         # another job's file being written (a temporary name beside it, locally) is tdgather's too
         foreign = sorted(n for n in self.store.list() if not OURS.fullmatch(final_name(n)))
@@ -143,8 +148,13 @@ class AppendOutput:
         for attempt in range(MAX_TRIES):
             numbers = snapshot_numbers(self.store)
             number = numbers[-1] if numbers else -1
-            base = None if number < 0 else self._read(INDEX_NAME if number == 0 else snapshot_name(number))
-            merged, added, dropped = self.next_index(number, base, mine)
+            try:
+                base = None if number < 0 else self._read(INDEX_NAME if number == 0 else snapshot_name(number))
+                merged, added, dropped = self.next_index(number, base, mine)
+            except (DatasetError, FileNotFoundError):
+                if snapshot_numbers(self.store)[-1:] == [number]:
+                    raise  # the newest snapshot, or a shard it lists, is damaged
+                continue  # superseded and expired while this try read it (`tdgather.storage.expire`): the newest
             record = SnapshotRecord(
                 version=number + 1 if number >= 0 else 1,
                 parent=number if number >= 0 else None,

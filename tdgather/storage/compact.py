@@ -191,16 +191,23 @@ def compact(
         store: the store itself (a test's double); default the one ``path`` names.
 
     Returns:
-        The snapshot the compaction committed (its ``compacted``: the snapshot it rewrote).
+        The snapshot the compaction committed (its ``compacted``: the snapshot it rewrote); where the
+        newest snapshot is a compaction's (nothing committed since), that one: nothing is written.
 
     Raises:
+        ValueError: ``max_shard_bytes`` is not an int >= 1.
         OutputError: no snapshot there; another compaction committed first (nothing committed).
         DatasetError: a shard of the snapshot is damaged (nothing committed).
     """
+    if type(max_shard_bytes) is not int or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes: expected an int >= 1, got {max_shard_bytes!r}")
     store = store or store_at(path, storage_options)
     numbers = snapshot_numbers(store)
     if not numbers:
         raise OutputError(f"{str(path)!r} holds no tdgather dataset (no snapshot and no index): nothing to compact")
+    newest = snapshot_at(store, numbers[-1])
+    if newest.compacted is not None:  # nothing was committed since the last compaction: nothing to do
+        return newest
     ds = Dataset(path, store=_SmallShardsWhole(store, store.list()), version=numbers[-1])  # type: ignore[arg-type]
     out = CompactOutput(store, numbers[-1], ds.index)
     writer = DatasetWriter(path, output=out, max_shard_bytes=max_shard_bytes)

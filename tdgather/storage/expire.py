@@ -12,9 +12,11 @@ each snapshot keeps reading as it was committed. Expiry is what frees storage, b
    compaction's replaced shards, and the unlisted rows in them, ever go;
 4. the shards a snapshot lists are removed before the snapshot itself, so an expiry that is
    killed leaves no kept snapshot without its shards; run it again to finish;
-5. shards that no snapshot lists (jobs killed before their commit, or still running) are removed
-   only with ``orphans=True``, and then whatever their age: use it only while no job appends or
-   compacts (one that is running loses its shards and refuses to commit).
+5. shards that no snapshot lists (jobs killed before their commit, or still running), and the
+   temporary files of writes that were killed, are removed only with ``orphans=True``, and then
+   whatever their age: use it only while no job appends or compacts (one that is running loses
+   its shards and refuses to commit). A file named like a shard that tdgather did not write is
+   refused (`OutputError`), before anything is removed.
 
 A `tdgather.Dataset` kept open on a snapshot that has since expired raises `OutputError` (naming
 the snapshot and telling to open the dataset again) when it reads a shard that was removed;
@@ -29,9 +31,10 @@ import os
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from ..errors import OutputError
+from ..errors import DatasetError, OutputError
 from ..format.check import Check, check_index, load_json
-from ..format.names import INDEX_NAME, SHARD_NAME, snapshot_name
+from ..format.codec import SafetensorsFile
+from ..format.names import FORMAT, INDEX_NAME, OURS, SHARD_NAME, snapshot_name
 from .atomic import final_name
 from .location import store_at
 from .snapshots import snapshot_numbers
@@ -103,7 +106,10 @@ def expire(
     shards = set().union(*(listed[n] for n in gone)) - keep
     if orphans:
         every = set().union(*listed.values())
-        shards |= {n for n in listing if SHARD_NAME.fullmatch(final_name(n)) and n not in every and n == final_name(n)}
+        loose = sorted(n for n in listing if SHARD_NAME.fullmatch(n) and n not in every)
+        _check_ours(store, loose)
+        temporary = {n for n in listing if n != final_name(n) and OURS.fullmatch(final_name(n))}  # killed writes'
+        shards |= set(loose) | temporary
     shards = sorted(shards)
     size = sum(listing.get(name) or 0 for name in shards)
     if not dry_run:
@@ -112,6 +118,24 @@ def expire(
         for n in gone:
             store.remove(INDEX_NAME if n == 0 else snapshot_name(n))
     return Expired(tuple(gone), tuple(kept), tuple(shards), size)
+
+
+def _check_ours(store: Store, names: list[str]) -> None:
+    """Refuse, before anything is removed, a file named like a shard that tdgather did not write.
+
+    Raises:
+        OutputError: naming it; nothing is removed.
+    """
+    for name in names:
+        try:
+            ours = SafetensorsFile(store.open(name)).metadata().get("format") == FORMAT
+        except (DatasetError, OSError, ValueError):
+            ours = False
+        if not ours:
+            raise OutputError(
+                f"{store.where!r} holds {name!r}, named like a shard but not one tdgather wrote; expire never removes "
+                "what tdgather did not write: move it away, then expire again (nothing was removed)"
+            )
 
 
 def _superseded(made: str | None, now: datetime, limit: timedelta) -> bool:

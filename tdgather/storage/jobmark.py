@@ -5,8 +5,8 @@ written shards (each durable, named by its run) that no snapshot lists. Run agai
 ``resume=True``, it continues that run: it takes those shards as saved (``Collector.saved``),
 computes only the rest, and its commit lists both. To find its run again, a job is known by a key
 that stays the same when it is run again: ``TDGATHER_JOB`` where set, else its scheduler's id
-(`scheduler_job`: a SLURM array task, a SLURM job, a Kubernetes indexed job's index, torchrun's
-run id), which a requeue keeps.
+(`scheduler_job`: a SLURM array task, a SLURM job, a Kubernetes indexed job's index), which a
+requeue keeps.
 
 Each attempt of a job claims a mark, ``tdgather.job-<hash of the key>-<attempt>.json``, written
 only if absent (`tdgather.storage.store.Store.put_if`): two copies of one job running at once
@@ -52,8 +52,13 @@ def scheduler_job() -> str | None:
 
 
 def job_key() -> str | None:
-    """This job's key across reruns: ``TDGATHER_JOB``, else `scheduler_job`; None where neither is set."""
-    return os.environ.get(JOB_VAR) or scheduler_job()
+    """This job's key across reruns: ``TDGATHER_JOB``, else `scheduler_job`; None where neither is set.
+
+    Not torchrun's ``TORCHELASTIC_RUN_ID``: each launch draws a new one (unless given ``--rdzv-id``),
+    so a relaunched job would never find its run.
+    """
+    job = os.environ.get(JOB_VAR) or scheduler_job()
+    return None if job is None or job.startswith("TORCHELASTIC_RUN_ID=") else job
 
 
 def _hash(key: str) -> str:

@@ -10,6 +10,7 @@ the dataset's ``tdgather.index.json`` where it has one (a dataset written before
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +59,10 @@ def index_name(store: Store, version: int | None = None) -> str | None:
     numbers = snapshot_numbers(store)
     if version is None:
         return None if not numbers else INDEX_NAME if numbers[-1] == 0 else snapshot_name(numbers[-1])
-    if type(version) is not int or version not in numbers:
+    if isinstance(version, bool) or not hasattr(version, "__index__"):
+        raise TypeError(f"version: expected a snapshot number (an int), got {version!r}")
+    version = operator.index(version)  # a numpy integer too
+    if version not in numbers:
         there = ", ".join(map(str, numbers[-20:])) or "none"
         raise OutputError(f"{store.where!r}: no snapshot version={version!r} (there are: {there})")
     return INDEX_NAME if version == 0 else snapshot_name(version)
