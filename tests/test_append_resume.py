@@ -164,7 +164,11 @@ def test_a_job_mark_edited_by_hand_is_refused_naming_the_field(tmp_path, monkeyp
 
 
 def _world_job(path: str, log: str, kill: bool) -> int:
-    """A 2-rank world appending with resume; rank 1 SIGKILLs the world's rank 0 once it wrote 2 shards (``kill``)."""
+    """A 2-rank world appending with resume; rank 0 SIGKILLs itself once it wrote 2 shards (``kill``).
+
+    The key is set here: a world's ranks start from a server that may be older than the test's environment.
+    """
+    os.environ["TDGATHER_JOB"] = "SLURM_ARRAY_JOB_ID=5_3"
     with tdgather.Collector(path, append=True, resume=True, progress=False, commit_every=0.01) as col:
         todo = col.saved.todo(ITEMS)
         if dist.get_rank() == 0:
@@ -179,8 +183,7 @@ def _world_job(path: str, log: str, kill: bool) -> int:
     return dist.get_rank()
 
 
-def test_a_torchrun_world_killed_mid_job_continues_its_run_when_run_again(tmp_path, monkeypatch):
-    monkeypatch.setenv("TDGATHER_JOB", "SLURM_ARRAY_JOB_ID=5_3")  # inherited by the world's ranks
+def test_a_torchrun_world_killed_mid_job_continues_its_run_when_run_again(tmp_path):
     path, log = str(tmp_path / "ds"), str(tmp_path / "log")
     with pytest.raises(Exception):  # noqa: B017 - rank 0 SIGKILLed: the world fails, however it reports it
         run_local_world(_world_job, 2, path, log, True, timeout=120)

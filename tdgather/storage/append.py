@@ -99,7 +99,7 @@ class AppendOutput:
             raise OutputError(
                 f"{str(self.target)!r}: resume=True with append=True continues this job's earlier attempt, found by a "
                 f"key that stays the same when the job runs again, and none is set: set {JOB_VAR}=<a name for this "
-                "job's share> (SLURM, a Kubernetes indexed job and torchrun set one of their own)"
+                "job's share> (SLURM and a Kubernetes indexed job set one of their own)"
             )
         if not self.store.conditional_put:
             raise OutputError(
