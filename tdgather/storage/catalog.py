@@ -31,7 +31,7 @@ __all__ = ["MIXED", "UNKNOWN", "Catalog"]
 UNKNOWN = -1  # a segment whose sender is not known here (an earlier attempt, another writer)
 MIXED = -2  # a segment whose rows came from several ranks: see `Catalog.rank_rows`
 _NONE = -1  # no segment
-_CHUNK_CHARS = 1 << 20  # characters (about) per piece of the index's JSON
+_CHUNK_FILES = 5000  # filenames per piece of the index's JSON (about a megabyte)
 
 
 class Catalog:
@@ -201,22 +201,18 @@ class Catalog:
         return out
 
     def json_chunks(self) -> Iterator[str]:
-        """The index's ``files`` object, filenames sorted, as `json.dumps` writes it, about a megabyte at a time."""
+        """The index's ``files`` object, filenames sorted, as `json.dumps` writes it, `_CHUNK_FILES` names a piece."""
         yield "{"
-        first, piece, chars = True, [], 0
+        first, piece = True, {}
         for name in sorted(self.ids):
             total, segs = self._frames(self.ids[name])
             if not segs:
                 continue
-            body = ", ".join(json.dumps(self._segment(s), ensure_ascii=False) for s in segs)
-            key = json.dumps(name, ensure_ascii=False)
-            piece.append(f'{"" if first else ", "}{key}: {{"frames": {total}, "segments": [{body}]}}')
-            chars += len(piece[-1])
-            first = False
-            if chars >= _CHUNK_CHARS:
-                yield "".join(piece)
-                piece, chars = [], 0
-        yield "".join(piece) + "}"
+            piece[name] = {"frames": total, "segments": [self._segment(s) for s in segs]}
+            if len(piece) >= _CHUNK_FILES:  # one dump a chunk: json's C encoder once, not twice a filename
+                yield ("" if first else ", ") + json.dumps(piece, ensure_ascii=False)[1:-1]
+                first, piece = False, {}
+        yield (("" if first else ", ") + json.dumps(piece, ensure_ascii=False)[1:-1] if piece else "") + "}"
 
 
 def _intern(value, values: list, ids: dict) -> int:

@@ -49,6 +49,7 @@ class Item(NamedTuple):
     json: list[list]
     runs: tuple[int, int] | None  # (lo, hi) when idx is the run lo..hi
     rank: Any  # the sender of every row (int, UNKNOWN if not known), or one per row (int32 tensor)
+    source: Any = None  # (group, lo, hi): its tensors are rows lo:hi of a gathered group's buffers
 
 
 def items_of(frames: Any, ranks: Mapping[str, set[int]]) -> list[Item]:
@@ -67,7 +68,9 @@ def items_of(frames: Any, ranks: Mapping[str, set[int]]) -> list[Item]:
         for i, name in enumerate(g.files):
             lo, hi = g.starts[i], g.starts[i] + g.counts[i]
             tensors, json_values = [t[lo:hi] for t in g.leaves], [v[lo:hi] for v in g.json]
-            items.append(Item(name, g.layout, g.frame_idx[lo:hi], tensors, json_values, runs[i], senders[i]))
+            items.append(
+                Item(name, g.layout, g.frame_idx[lo:hi], tensors, json_values, runs[i], senders[i], (g, lo, hi))
+            )
     return sorted(items, key=lambda item: item.name)
 
 
@@ -150,16 +153,18 @@ def shard_tensors(shard: list) -> tuple[dict, list, list]:
             n = item[2].numel()
             segments[k] = (key, row, n)
             row += n
-        entries.append((names.frame_idx, torch.int64, (row,), [x[2] for x in items]))
+        runs = _runs(items)  # consecutive rows of one gathered group: one piece each, not one a filename
+        entries.append((names.frame_idx, torch.int64, (row,), _pieces(items, runs, lambda g: g.frame_idx, 2, None)))
         for j, (name, leaf) in enumerate(zip(names.leaves, layout.leaves, strict=True)):
-            column = [x[3][j] for x in items]
-            if leaf.ragged:  # values, then offsets: frame i is rows offsets[i] : offsets[i + 1]
+            if leaf.ragged:
+                column = [x[3][j] for x in items]  # values, then offsets: frame i is rows offsets[i] : offsets[i + 1]
                 spans = [r.span() for r in joined(column)]
                 offsets = offsets_of(torch.cat([n for _, n in spans]))
                 values = [v for v, _ in spans]
                 entries.append((name, leaf.dtype, (int(offsets[-1]), *leaf.shape), values))
                 entries.append((names.offsets(name), torch.int64, (row + 1,), [offsets]))
             else:
+                column = _pieces(items, runs, lambda g, j=j: g.leaves[j], 3, j)
                 entries.append((name, leaf.dtype, (row, *leaf.shape), column))
         for j, name in enumerate(names.json):
             lines = [
@@ -170,6 +175,35 @@ def shard_tensors(shard: list) -> tuple[dict, list, list]:
             entries.append((name, torch.uint8, (blob.numel(),), [blob]))
             entries.append((names.offsets(name), torch.int64, (row + 1,), [offsets]))
     return groups, entries, segments
+
+
+def _runs(items: list[Item]) -> list[tuple[int, int]]:
+    """``[a, b)`` spans of ``items`` whose tensors are consecutive rows of one gathered group (`Item.source`).
+
+    An item without a source (frames given per filename, or rows picked out) is a span of its own.
+    """
+    out: list[tuple[int, int]] = []
+    prev = None
+    for k, item in enumerate(items):
+        src = item.source
+        if out and src is not None and prev is not None and src[0] is prev[0] and src[1] == prev[2]:
+            out[-1] = (out[-1][0], k + 1)
+        else:
+            out.append((k, k + 1))
+        prev = src
+    return out
+
+
+def _pieces(items: list[Item], runs: list[tuple[int, int]], buffer: Any, field: int, j: int | None) -> list:
+    """A column's pieces: a run of several items one slice of their group's ``buffer``; else each item's own."""
+    out = []
+    for a, b in runs:
+        if b - a > 1:
+            g, lo = items[a].source[0], items[a].source[1]
+            out.append(buffer(g)[lo : items[b - 1].source[2]])
+        else:
+            out.append(items[a][field] if j is None else items[a][field][j])
+    return out
 
 
 def frame_bytes(layout: Layout, idx: torch.Tensor, tensors: list) -> int:
