@@ -39,8 +39,7 @@ from ..core.frames import Layout
 from ..core.promote import SAME_LAYOUT, common_layout, schema
 from ..errors import DatasetError, OutputError, ShapeMismatchError
 from ..format.blocks import counts_of
-from ..format.check import Check, check_index, load_json
-from ..format.names import FORMAT, INDEX_NAME, OURS, RUN_TAG, SCHEMA_VERSION, shard_run, snapshot_name
+from ..format.names import FORMAT, OURS, RUN_TAG, SCHEMA_VERSION, shard_run, snapshot_name
 from ..format.records import SnapshotRecord
 from .atomic import final_name
 from .combine import resolve
@@ -48,10 +47,10 @@ from .jobmark import JOB_VAR, continue_job, job_key
 from .outdir import describe_names
 from .runstate import RunState, new_run
 from .scan import frame_idx_of
-from .snapshots import snapshot_numbers
+from .snapshots import read_snapshot, snapshot_numbers
 from .store import Store
 
-__all__ = ["MAX_TRIES", "AppendOutput", "merge"]
+__all__ = ["MAX_TRIES", "AppendOutput", "merge", "totals"]
 
 MAX_TRIES = 64  # commits lost to other jobs' before giving up (each retry reads the newest snapshot again)
 
@@ -114,13 +113,14 @@ class AppendOutput:
                 )
             os.makedirs(self.store.where, exist_ok=True)
         # another job's file being written (a temporary name beside it, locally) is tdgather's too
-        foreign = sorted(n for n in self.store.list() if not OURS.fullmatch(final_name(n)))
+        listing = self.store.list()
+        foreign = sorted(n for n in listing if not OURS.fullmatch(final_name(n)))
         if foreign:
             raise OutputError(
                 f"output {self.target!r} holds files tdgather did not write ({describe_names(foreign)}); tdgather "
                 "never writes beside what it did not write: choose another path, or move those files away"
             )
-        state = continue_job(self.store, key) if key is not None else RunState(new_run())
+        state = continue_job(self.store, key, listing) if key is not None else RunState(new_run())
         self.run = state.run
         return state
 
@@ -146,14 +146,14 @@ class AppendOutput:
                 "nothing was committed: rerun the job"
             )
         for attempt in range(MAX_TRIES):
-            numbers = snapshot_numbers(self.store)
+            numbers = snapshot_numbers(self.store, listing if attempt == 0 else None)
             number = numbers[-1] if numbers else -1
             try:
-                base = None if number < 0 else self._read(INDEX_NAME if number == 0 else snapshot_name(number))
+                base = None if number < 0 else read_snapshot(self.store, number)
                 merged, added, dropped = self.next_index(number, base, mine)
             except (DatasetError, FileNotFoundError):
-                if snapshot_numbers(self.store)[-1:] == [number]:
-                    raise  # the newest snapshot, or a shard it lists, is damaged
+                if (snapshot_numbers(self.store) or [-1])[-1] == number:
+                    raise  # the newest snapshot, a shard it lists, or this job's own, is damaged
                 continue  # superseded and expired while this try read it (`tdgather.storage.expire`): the newest
             record = SnapshotRecord(
                 version=number + 1 if number >= 0 else 1,
@@ -185,13 +185,6 @@ class AppendOutput:
         """
         merged, dropped = merge(self.store, base, mine, self.policy)
         return merged, merged["metadata"]["total_frames"] - (base["metadata"]["total_frames"] if base else 0), dropped
-
-    def _read(self, name: str) -> dict:
-        """A snapshot, checked whole as `tdgather.open` checks an index."""
-        c = Check(self.store.path(name))
-        index = load_json(self.store.read(name), c, "index")
-        check_index(index, self.store.path(name), incomplete=False)
-        return index
 
     def abort(self, record: Iterable[bytes] | None) -> Path | str:
         """Leave the job's shards, unlisted (a rerun commits its frames); no record (jobs would share its name)."""
@@ -256,9 +249,7 @@ def merge(store: Store, base: dict | None, mine: dict, policy: Any = "keep") -> 
     for key in ("failure", "replaces", "frames_per_rank"):
         meta.pop(key, None)
     meta.update(
-        total_frames=sum(e["frames"] for e in shards.values()),
-        total_bytes=sum(e["bytes"] for e in shards.values()),
-        num_filenames=len(files),
+        totals(shards, files),
         duplicates_dropped=int(meta.get("duplicates_dropped") or 0) + own_dropped + copies.dropped,
         duplicates=(_counts(meta) + own + copies).to_json(),
     )
@@ -267,6 +258,15 @@ def merge(store: Store, base: dict | None, mine: dict, policy: Any = "keep") -> 
     out["schema"] = [t.to_json() for t in schema(layouts)]
     out["files"] = dict(sorted(files.items()))  # filenames sorted, as every index lists them
     return out, copies.dropped
+
+
+def totals(shards: dict[str, dict], files: dict[str, dict]) -> dict[str, int]:
+    """An index's ``total_frames``, ``total_bytes`` and ``num_filenames``, from its shards and files."""
+    return {
+        "total_frames": sum(e["frames"] for e in shards.values()),
+        "total_bytes": sum(e["bytes"] for e in shards.values()),
+        "num_filenames": len(files),
+    }
 
 
 def _resolve_held(

@@ -31,10 +31,10 @@ import torch
 from ..core.frames import Layout
 from ..core.promote import schema
 from ..errors import OutputError
-from .append import AppendOutput
+from ..format.codec import BytesSource
+from .append import AppendOutput, totals
 from .location import store_at
 from .reader import Dataset
-from .segments import cat_columns
 from .shards import frame_bytes
 from .snapshots import Snapshot, snapshot_at, snapshot_numbers
 from .store import Store
@@ -77,13 +77,7 @@ class CompactOutput(AppendOutput):
             files[name] = {"frames": sum(s["frames"] for s in segments), "segments": segments}
         shards = {name: entry for name, entry in base["shards"].items() if name not in self._old}
         shards.update(mine["shards"])
-        meta = dict(base["metadata"])
-        meta.update(
-            total_frames=sum(e["frames"] for e in shards.values()),
-            total_bytes=sum(e["bytes"] for e in shards.values()),
-            num_filenames=len(files),
-        )
-        out = {**base, "metadata": meta, "shards": shards, "files": files}
+        out = {**base, "metadata": {**base["metadata"], **totals(shards, files)}, "shards": shards, "files": files}
         out.pop("snapshot", None)
         out["schema"] = _same_schema(self.target, base, shards)
         return out, 0, 0
@@ -112,19 +106,6 @@ def _same_schema(target: Any, base: dict, shards: dict) -> list:
 WHOLE_BYTES = 4 << 20  # in an object store, shards up to this size are read whole: one request, not one a segment
 
 
-class _Whole:
-    """A shard read whole into memory, as a `tdgather.format.codec.ByteSource` whose reads are views."""
-
-    mapped = True
-
-    def __init__(self, data: bytes, where: str) -> None:
-        self._view = memoryview(bytearray(data))  # writable, as a private mapping is: tensors over it may be written
-        self.size, self.where = len(data), where
-
-    def read(self, start: int, end: int) -> memoryview:
-        return self._view[start:end]
-
-
 class _SmallShardsWhole:
     """``store``, whose shards of at most `WHOLE_BYTES` (``sizes``: a listing's) are opened by reading them whole.
 
@@ -143,7 +124,7 @@ class _SmallShardsWhole:
         size = self._sizes.get(name)
         if self._store.atomic_rename or size is None or size > WHOLE_BYTES:  # mapped locally; big: ranges
             return self._store.open(name)
-        return _Whole(self._store.read(name), self._store.path(name))
+        return BytesSource(self._store.read(name), self._store.path(name))
 
 
 class _Rows(NamedTuple):
@@ -164,15 +145,8 @@ class _Batch(NamedTuple):
 
 def _rows(ds: Dataset, name: str) -> _Rows:
     """``name``'s frames as ``ds`` reads them (its schema's type), ordered by frame_idx; no tree rebuilt."""
-    layout = ds.layout(name)
-    pieces = [ds.read_rows(s, group, name, lo, hi) for s, group, lo, hi in ds.segments(name)]
-    idx = torch.cat([p[0] for p in pieces])
-    order = torch.argsort(idx)
-    tensors = [cat_columns([p[1][j] for p in pieces]).index_select(0, order) for j in range(len(layout.leaves))]
-    rows = order.tolist()
-    json_values = [[v for p in pieces for v in p[2][m]] for m in range(len(layout.nontensor))]
-    json_values = [[values[r] for r in rows] for values in json_values]
-    return _Rows(layout, [name], [0], [len(rows)], idx[order], tensors, json_values)
+    layout, idx, tensors, json_values = ds.columns(name)
+    return _Rows(layout, [name], [0], [idx.numel()], idx, tensors, json_values)
 
 
 def compact(

@@ -32,12 +32,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from ..errors import DatasetError, OutputError
-from ..format.check import Check, check_index, load_json
 from ..format.codec import SafetensorsFile
-from ..format.names import FORMAT, INDEX_NAME, OURS, SHARD_NAME, snapshot_name
+from ..format.names import FORMAT, OURS, SHARD_NAME
 from .atomic import final_name
 from .location import store_at
-from .snapshots import snapshot_numbers
+from .snapshots import read_snapshot, snapshot_file, snapshot_numbers
 from .store import Store
 
 __all__ = ["DEFAULT_OLDER_THAN", "Expired", "expire"]
@@ -97,7 +96,7 @@ def expire(
     numbers = snapshot_numbers(store, listing)
     if not numbers:
         raise OutputError(f"{str(path)!r} holds no tdgather dataset (no snapshot and no index): nothing to expire")
-    read = {n: _read(store, n) for n in numbers}  # every snapshot read and checked before anything goes
+    read = {n: read_snapshot(store, n) for n in numbers}  # every snapshot read and checked before anything goes
     made = {n: (index.get("snapshot") or {}).get("made") for n, index in read.items()}
     listed = {n: set(index["shards"]) for n, index in read.items()}
     gone = [n for n, after in zip(numbers, numbers[1:], strict=False) if _superseded(made[after], now, limit)]
@@ -116,7 +115,7 @@ def expire(
         for name in shards:  # the shards first: a snapshot kept never lists a shard that is gone
             store.remove(name)
         for n in gone:
-            store.remove(INDEX_NAME if n == 0 else snapshot_name(n))
+            store.remove(snapshot_file(n))
     return Expired(tuple(gone), tuple(kept), tuple(shards), size)
 
 
@@ -147,12 +146,3 @@ def _superseded(made: str | None, now: datetime, limit: timedelta) -> bool:
     except ValueError:
         return False  # not a time: kept, as if made now
     return now - (at if at.tzinfo else at.replace(tzinfo=UTC)) > limit
-
-
-def _read(store: Store, number: int) -> dict:
-    """Snapshot ``number``, checked whole as `tdgather.open` checks it (its record too)."""
-    name = INDEX_NAME if number == 0 else snapshot_name(number)
-    c = Check(store.path(name))
-    index = load_json(store.read(name), c, "index")
-    check_index(index, store.path(name), incomplete=False)
-    return index

@@ -108,17 +108,18 @@ class JobMark:
         return mark
 
 
-def continue_job(store: Store, key: str) -> RunState:
+def continue_job(store: Store, key: str, listing: dict[str, int] | None = None) -> RunState:
     """The run that job ``key`` continues (its earlier attempts' shards, as saved), with a new attempt claimed.
 
     No mark of ``key``: a new run, attempt 1. Else the run of its newest mark: its shards there
     (committed or not) are what it saved, and the attempt is the next one no copy of the job claimed.
+    ``listing``: the store's, where the caller has one.
 
     Raises:
         OutputError: (from `from_shards`) a shard of the run that is not tdgather's.
         DatasetError: a mark or shard that is malformed.
     """
-    listing = store.list()
+    listing = store.list() if listing is None else listing
     ours = _hash(key)
     marks = sorted(
         (JobMark.read(store, n) for n in listing if (m := JOB_MARK_NAME.fullmatch(n)) and m[1] == ours),

@@ -336,7 +336,14 @@ class Dataset(Mapping[str, Frames]):
             shard = self.shard(segment["shard"], f"files{key(name)}.segments[{i}].shard")
             yield shard, segment["group"], segment["start"], segment["start"] + segment["frames"]
 
-    def __getitem__(self, name: str) -> Frames:
+    def columns(self, name: str) -> tuple[Layout, torch.Tensor, list, list]:
+        """``name``'s frames as columns, no tree rebuilt: its `layout`, frame_idx, tensor leaves and JSON leaves.
+
+        Its segments are read and merged by frame_idx (ragged leaves as `Ragged` columns).
+
+        Raises:
+            DatasetError: a frame there twice, or a segment's frames out of order.
+        """
         entry = self._files[name]
         layout = self.layout(name)
         pieces = [self.read_rows(s, group, name, lo, hi) for s, group, lo, hi in self.segments(name)]
@@ -356,6 +363,11 @@ class Dataset(Mapping[str, Frames]):
             raise Check(self.store.path(shards)).fail(
                 f"files{key(name)} frame_idx", expected, idx[at - 1 : at + 1].tolist()
             )
+        return layout, idx, tensors, json_values
+
+    def __getitem__(self, name: str) -> Frames:
+        layout, idx, tensors, json_values = self.columns(name)
+        count = idx.numel()
         tensors = [nested(t) if isinstance(t, Ragged) else t for t in tensors]  # as `rebuild` would, sooner
         try:
             value = rebuild(layout, count, tensors, json_values)

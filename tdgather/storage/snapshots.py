@@ -16,13 +16,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DatasetError, OutputError
-from ..format.check import Check, load_json
+from ..format.check import Check, check_index, load_json
 from ..format.names import INDEX_NAME, SNAPSHOT_NAME, snapshot_name
 from ..format.records import SnapshotRecord
 from .location import store_at
 from .store import Store
 
-__all__ = ["Snapshot", "check_not_appended", "index_name", "snapshot_at", "snapshot_numbers", "snapshots"]
+__all__ = [
+    "Snapshot",
+    "check_not_appended",
+    "index_name",
+    "read_snapshot",
+    "snapshot_at",
+    "snapshot_file",
+    "snapshot_numbers",
+    "snapshots",
+]
 
 
 def snapshot_numbers(store: Store, listing: Any = None) -> list[int]:
@@ -30,6 +39,20 @@ def snapshot_numbers(store: Store, listing: Any = None) -> list[int]:
     listing = store.list() if listing is None else listing
     numbers = sorted(int(m[1]) for m in map(SNAPSHOT_NAME.fullmatch, listing) if m)
     return ([0] if INDEX_NAME in listing else []) + [n for n in numbers if n > 0]
+
+
+def snapshot_file(number: int) -> str:
+    """Snapshot ``number``'s file: ``tdgather.index.json`` for 0, else ``tdgather.snapshot-NNNNNNNN.json``."""
+    return INDEX_NAME if number == 0 else snapshot_name(number)
+
+
+def read_snapshot(store: Store, number: int) -> dict:
+    """Snapshot ``number``, checked whole as `tdgather.open` checks an index (its record too)."""
+    name = snapshot_file(number)
+    c = Check(store.path(name))
+    index = load_json(store.read(name), c, "index")
+    check_index(index, store.path(name), incomplete=False)
+    return index
 
 
 def check_not_appended(store: Store, target: Any) -> None:
@@ -58,14 +81,14 @@ def index_name(store: Store, version: int | None = None) -> str | None:
     """
     numbers = snapshot_numbers(store)
     if version is None:
-        return None if not numbers else INDEX_NAME if numbers[-1] == 0 else snapshot_name(numbers[-1])
+        return snapshot_file(numbers[-1]) if numbers else None
     if isinstance(version, bool) or not hasattr(version, "__index__"):
         raise TypeError(f"version: expected a snapshot number (an int), got {version!r}")
     version = operator.index(version)  # a numpy integer too
     if version not in numbers:
         there = ", ".join(map(str, numbers[-20:])) or "none"
         raise OutputError(f"{store.where!r}: no snapshot version={version!r} (there are: {there})")
-    return INDEX_NAME if version == 0 else snapshot_name(version)
+    return snapshot_file(version)
 
 
 @dataclass(frozen=True)
@@ -104,7 +127,7 @@ def snapshot_at(store: Store, number: int) -> Snapshot:
     Raises:
         DatasetError: its record is malformed, or names another version than its file.
     """
-    name = INDEX_NAME if number == 0 else snapshot_name(number)
+    name = snapshot_file(number)
     c = Check(store.path(name))
     index = c.mapping(load_json(store.read(name), c, "index"), "index")
     meta = c.mapping(index.get("metadata"), "metadata")

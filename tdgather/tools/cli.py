@@ -221,6 +221,9 @@ def _stats(t: Any) -> str:
     return f"min {a.min()}, mean {float(a.mean(dtype='float64')):.6g}, max {a.max()}, NaN 0"
 
 
+_PATH_HELP = "a dataset directory, or an object store URL (s3://bucket/prefix, ...)"
+
+
 def _snapshots(args: argparse.Namespace) -> int:
     """One line per snapshot of a dataset that jobs append to, oldest first (snapshot 0: its first index)."""
     from ..format.names import INDEX_NAME
@@ -365,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds before the job is stopped")
     demo.set_defaults(run=_demo)
     inspect = sub.add_parser("inspect", help="print a saved dataset's filenames, frame counts, shapes and size")
-    inspect.add_argument("path", help="a dataset directory, or an object store URL (s3://bucket/prefix, ...)")
+    inspect.add_argument("path", help=_PATH_HELP)
     inspect.add_argument("--limit", type=int, default=50, help="filenames to list (default 50)")
     inspect.add_argument("--all", action="store_true", help="list every filename")
     inspect.add_argument(
@@ -386,13 +389,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     snaps = sub.add_parser(
         "snapshots", help="list the snapshots of a dataset that jobs append to (append=True), one line each"
     )
-    snaps.add_argument("path", help="a dataset directory, or an object store URL (s3://bucket/prefix, ...)")
+    snaps.add_argument("path", help=_PATH_HELP)
     _storage_options(snaps)
     snaps.set_defaults(run=_snapshots)
     comp = sub.add_parser(
         "compact", help="rewrite the newest snapshot's frames into fewer shards, committed as the next snapshot"
     )
-    comp.add_argument("path", help="a dataset directory, or an object store URL (s3://bucket/prefix, ...)")
+    comp.add_argument("path", help=_PATH_HELP)
     comp.add_argument(
         "--max-shard-bytes", type=_positive, default=1 << 30, help="bytes per compacted shard, at most (default 1 GiB)"
     )
@@ -401,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     exp = sub.add_parser(
         "expire", help="remove snapshots superseded more than --older-than ago, and the shards only they list"
     )
-    exp.add_argument("path", help="a dataset directory, or an object store URL (s3://bucket/prefix, ...)")
+    exp.add_argument("path", help=_PATH_HELP)
     exp.add_argument(
         "--older-than",
         type=_duration,
