@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import sys
 import threading
 import zlib
 
@@ -134,20 +135,28 @@ class StoreTests:
     def test_racing_put_ifs_commit_exactly_one(self, store):
         if not store.conditional_put:
             pytest.skip(f"{store.where}: put_if checks, then puts (conditional_put is False)")
-        wins: list[int] = []
-        start = threading.Barrier(4)
+        threads, rounds = 6, 30
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # threads (a server's too, in this process) switch between any two steps
+        try:
+            for r in range(rounds):
+                wins: list[int] = []
+                start = threading.Barrier(threads)
 
-        def race(i: int) -> None:
-            start.wait()
-            if store.put_if("index", f"run {i}".encode(), None):
-                wins.append(i)
+                def race(i: int, name: str = f"index-{r}", start: threading.Barrier = start) -> None:
+                    start.wait()
+                    if store.put_if(name, f"run {i}".encode(), None):
+                        wins.append(i)
 
-        threads = [threading.Thread(target=race, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-        assert len(wins) == 1 and store.read("index") == f"run {wins[0]}".encode()
+                running = [threading.Thread(target=race, args=(i,)) for i in range(threads)]
+                for t in running:
+                    t.start()
+                for t in running:
+                    t.join(timeout=60)
+                assert len(wins) == 1, f"round {r}: {len(wins)} of {threads} racing put_ifs won"
+                assert store.read(f"index-{r}") == f"run {wins[0]}".encode()
+        finally:
+            sys.setswitchinterval(switch)
 
     def test_abort_uploads_never_raises(self, store):
         assert store.abort_uploads(["0123456789abcdef0123456789abcdef"]) == []  # none was left
