@@ -38,6 +38,24 @@ def failing(chunks: list):
     raise Boom("the bytes' source failed")
 
 
+def race_put_ifs(store, name: str, threads: int) -> list[int]:
+    """``threads`` threads, let go at once, each ``put_if(name, b"run <i>", None)``; those that won."""
+    wins: list[int] = []
+    start = threading.Barrier(threads)
+
+    def race(i: int) -> None:
+        start.wait()
+        if store.put_if(name, f"run {i}".encode(), None):
+            wins.append(i)
+
+    running = [threading.Thread(target=race, args=(i,)) for i in range(threads)]
+    for t in running:
+        t.start()
+    for t in running:
+        t.join(timeout=60)
+    return wins
+
+
 class StoreTests:
     """The conformance suite; a subclass provides the ``store`` fixture."""
 
@@ -135,25 +153,12 @@ class StoreTests:
     def test_racing_put_ifs_commit_exactly_one(self, store):
         if not store.conditional_put:
             pytest.skip(f"{store.where}: put_if checks, then puts (conditional_put is False)")
-        threads, rounds = 6, 30
         switch = sys.getswitchinterval()
         sys.setswitchinterval(1e-6)  # threads (a server's too, in this process) switch between any two steps
         try:
-            for r in range(rounds):
-                wins: list[int] = []
-                start = threading.Barrier(threads)
-
-                def race(i: int, name: str = f"index-{r}", start: threading.Barrier = start) -> None:
-                    start.wait()
-                    if store.put_if(name, f"run {i}".encode(), None):
-                        wins.append(i)
-
-                running = [threading.Thread(target=race, args=(i,)) for i in range(threads)]
-                for t in running:
-                    t.start()
-                for t in running:
-                    t.join(timeout=60)
-                assert len(wins) == 1, f"round {r}: {len(wins)} of {threads} racing put_ifs won"
+            for r in range(30):
+                wins = race_put_ifs(store, f"index-{r}", threads=6)
+                assert len(wins) == 1, f"round {r}: {len(wins)} of 6 racing put_ifs won"
                 assert store.read(f"index-{r}") == f"run {wins[0]}".encode()
         finally:
             sys.setswitchinterval(switch)
