@@ -6,7 +6,9 @@ store filled before the timing as `tdgather_gather` does) or ``python -m benchma
 `benchmarks.host` does; ``--pace`` seconds between batches of 32 MiB, as an inference loop spaces
 them, so that rank dst keeps up: the ring of shared memory segments is then written again, and a
 sender's ``ShmWriter.write`` shows what a chunk costs it; ``--ranks-per-writer 1``, every rank
-writes its own shards). ``TDGATHER_SHM=0`` sends every byte over gloo; ``TDGATHER_SHM_RING=0``
+writes its own shards) or ``python -m benchmarks.stages images 100000 --world 2`` (a Collector of that
+many one-frame filenames of 1 KB, spread over the ranks, in batches of 500, as `benchmarks.many_files`
+``--close`` times them). ``TDGATHER_SHM=0`` sends every byte over gloo; ``TDGATHER_SHM_RING=0``
 writes every chunk into a new segment. A gather's result is freed after the clock stops, as
 `benchmarks.suite` does.
 
@@ -56,7 +58,9 @@ STAGES = {  # module: names (a "Class.method" is wrapped on its class)
     "tdgather.comm.transport": ["decode_json", "decode_header", "decode_index", "Channel.recv_answer"],
     "tdgather.comm.shm": ["ShmWriter.write", "ShmWriter._handed_back", "_hand_back", "_fill"],
     "tdgather.comm.direct": ["ResultMemory.arena", "Target.write", "Target.open"],
-    "tdgather.storage.writer": ["DatasetWriter._write_shard"],
+    "tdgather.storage.writer": ["DatasetWriter._write_shard", "DatasetWriter.write", "DatasetWriter.commit"],
+    "tdgather.storage.shards": ["items_of", "fill", "shard_tensors"],
+    "tdgather.storage.catalog": ["Catalog.add_shard", "Catalog.json_chunks"],
     "os": ["fsync"],
 }
 _EVENTS: list[tuple[str, float, float]] = []
@@ -89,8 +93,13 @@ def _call(kind: str, arg: str, scratch: str, number: int, state: dict, pace: flo
     if kind == "gather":
         state["held"] = tdgather.gather(state["store"])  # freed after the clock stops, as the suite does
         return
-    frames = state["data"].view(-1, 1 << 20)
     path = os.path.join(scratch, f"c{number}")
+    if kind == "images":
+        with tdgather.Collector(path, progress=False, timeout=600, ranks_per_writer=state["writers"]) as col:
+            for names, batch in state["images"]:
+                col.add(names, [0] * len(names), batch)
+        return
+    frames = state["data"].view(-1, 1 << 20)
     with tdgather.Collector(path, progress=False, timeout=600, ranks_per_writer=state["writers"]) as col:
         for lo in range(0, frames.shape[0], 32):
             batch = frames[lo : lo + 32]
@@ -107,6 +116,11 @@ def _rank(kind: str, arg: str, repeats: int, scratch: str, pace: float = 0.0, wr
         state["store"] = tdgather.FrameStore(copy=False)
         for names, idx, frames in workloads.batches(arg, rank, world):
             state["store"].add(names, idx, frames)
+    elif kind == "images":
+        names = [f"img_{i:07d}.jpg" for i in range(rank, int(arg), world)]
+        state["images"] = [
+            (names[i : i + 500], torch.randn(len(names[i : i + 500]), 256)) for i in range(0, len(names), 500)
+        ]
     else:
         n = int(arg) << 20 if rank else 0
         state["data"] = torch.randint(0, 255, (n,), dtype=torch.uint8)
@@ -142,8 +156,10 @@ def _rank(kind: str, arg: str, repeats: int, scratch: str, pace: float = 0.0, wr
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("kind", choices=["gather", "collector"])
-    p.add_argument("arg", help="gather: a workload (tiny, mixed, large, ...); collector: MB a sender streams")
+    p.add_argument("kind", choices=["gather", "collector", "images"])
+    p.add_argument(
+        "arg", help="gather: a workload (tiny, mixed, large, ...); collector: MB a sender streams; images: filenames"
+    )
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--pace", type=float, default=0.0, help="collector: seconds between batches of 32 MiB")

@@ -11,6 +11,7 @@ back into a value.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -197,12 +198,12 @@ class Layout:
         nontensor = tuple(tuple(p) for p in obj["json"])
         return Layout(obj["kind"], obj["cls"], leaves, nontensor, tuple(obj.get("batch_dims", ())))
 
-    @property
+    @functools.cached_property
     def frame_nbytes(self) -> int:
         """Bytes of tensor data in one frame, ragged leaves not counted (their size varies)."""
         return sum(leaf.row_nbytes for leaf in self.leaves if not leaf.ragged)
 
-    @property
+    @functools.cached_property
     def ragged(self) -> bool:
         """Whether a leaf is ragged."""
         return any(leaf.ragged for leaf in self.leaves)

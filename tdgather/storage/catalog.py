@@ -10,14 +10,17 @@ slots, and each segment (a filename's rows in one shard) a few more, never a Pyt
 - per segment: shard, group, first row, frames, the rank that sent its frames (or `MIXED`: then
   each row's, int32, in one flat array of them all; `UNKNOWN`: an earlier attempt's).
 
-The index's ``files`` object is written from these arrays about a megabyte at a time (`json_chunks`).
+A shard's filenames are recorded in one call (`add_shard`), and the index's ``files`` object is
+written from these arrays about a megabyte at a time (`json_chunks`): a filename of one segment (the
+usual case) as one formatted line, byte for byte what `json.dumps` writes, not as dicts.
 """
 
 from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from json.encoder import encode_basestring
 
 import torch
 
@@ -54,6 +57,7 @@ class Catalog:
         self._seg_shard, self._seg_group, self._seg_rank = array("i"), array("i"), array("i")
         self._seg_rows = array("q")  # MIXED segments: where their rows' ranks start in ``_rank_rows``
         self._rank_rows = array("i")  # MIXED segments' rank per row, one segment after another
+        self._count = array("q")  # each filename's frames in its listed segments
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -105,11 +109,51 @@ class Catalog:
         ``runs`` is ``(lo, hi)`` when ``idx`` is the run ``lo..hi``, else None. ``rank`` is an int (every
         row's sender, `UNKNOWN` if not known) or an int32 tensor, one rank per row.
         """
+        i = self._file(name, layout, idx, runs)
+        self._append_segment(i, segment["shard"], segment["group"], segment["start"], segment["frames"], rank)
+
+    def add_shard(self, shard: str, items: Sequence, segments: Sequence[tuple[str, int, int]]) -> None:
+        """Record every item of shard ``shard`` (`tdgather.storage.shards.Item`s) at its ``(group, start, frames)``.
+
+        The same as `add` for each, in one pass: a filename seen for the first time, whose frames
+        are one run from one sender (the usual case), costs a few array appends.
+        """
+        ids, layout_ids, first = self.ids, self._layout_ids, self._first
+        k_shard = _intern(shard, self._shards, self._shard_ids)
+        layout, k_layout, group, k_group = None, None, None, 0  # the last item's, as the next is usually alike
+        for item, (group_of, start, frames) in zip(items, segments, strict=True):
+            name, runs, rank = item.name, item.runs, item.rank
+            if item.layout is not layout:
+                layout, k_layout = item.layout, layout_ids.get(item.layout)
+            if name in ids or runs is None or k_layout is None or type(rank) is not int:
+                segment = {"shard": shard, "group": group_of, "start": start, "frames": frames}
+                self.add(name, item.layout, segment, item.idx, runs, rank)
+                layout = None  # the layout may be new: look again
+                continue
+            if group_of != group:
+                group, k_group = group_of, _intern(group_of, self._groups, self._group_ids)
+            s = len(self._seg_start)
+            ids[name] = len(first)
+            first.append(s)
+            self._layout.append(k_layout)
+            self._lo.append(runs[0])
+            self._hi.append(runs[1])
+            self._count.append(frames)
+            self._seg_shard.append(k_shard)
+            self._seg_group.append(k_group)
+            self._seg_start.append(start)
+            self._seg_frames.append(frames)
+            self._seg_rows.append(len(self._rank_rows))
+            self._seg_rank.append(rank)
+
+    def _file(self, name: str, layout: Layout, idx: torch.Tensor, runs: tuple | None) -> int:
+        """Filename ``name``'s number, made for a new one; its frame_idx written and layout updated by ``idx``."""
         i = self.ids.get(name)
         if i is None:
             i = self.ids[name] = len(self.ids)
             self._layout.append(self._intern_layout(layout))
             self._first.append(_NONE)
+            self._count.append(0)
             lo, hi = runs if runs is not None else (0, -1)
             self._lo.append(lo), self._hi.append(hi)
             if runs is None:
@@ -117,11 +161,9 @@ class Catalog:
         else:
             self._set_runs(i, add_runs(self.written(name), idx))
             old = self._layouts[self._layout[i]]
-            if (
-                layout != old
-            ):  # a layout that fits (`tdgather.core.promote.common_layout`): the filename's is both joined
+            if layout != old:  # a layout that fits (`tdgather.core.promote.common_layout`): both joined
                 self._layout[i] = self._intern_layout(common_layout(old, layout) or old)
-        self._append_segment(i, segment, rank)
+        return i
 
     def _set_runs(self, i: int, runs: torch.Tensor) -> None:
         if runs.shape[0] == 1:
@@ -130,12 +172,12 @@ class Catalog:
         else:
             self._runs[i] = runs
 
-    def _append_segment(self, i: int, segment: Mapping, rank) -> None:
+    def _append_segment(self, i: int, shard: str, group: str, start: int, frames: int, rank) -> None:
         s = len(self._seg_start)
-        self._seg_shard.append(_intern(segment["shard"], self._shards, self._shard_ids))
-        self._seg_group.append(_intern(segment["group"], self._groups, self._group_ids))
-        self._seg_start.append(segment["start"])
-        self._seg_frames.append(segment["frames"])
+        self._seg_shard.append(_intern(shard, self._shards, self._shard_ids))
+        self._seg_group.append(_intern(group, self._groups, self._group_ids))
+        self._seg_start.append(start)
+        self._seg_frames.append(frames)
         self._seg_rows.append(len(self._rank_rows))
         if isinstance(rank, torch.Tensor):
             uniform = rank.numel() and bool((rank == rank[0]).all())
@@ -144,6 +186,7 @@ class Catalog:
                 self._rank_rows.frombytes(rank.to(torch.int32).contiguous().numpy().tobytes())
         else:
             self._seg_rank.append(int(rank))
+        self._count[i] += frames
         if self._first[i] == _NONE:
             self._first[i] = s
         else:
@@ -167,52 +210,64 @@ class Catalog:
                     i = self.ids[name] = len(self.ids)
                     self._layout.append(self._intern_layout(layouts[name]))
                     self._first.append(_NONE)
+                    self._count.append(0)
                     self._lo.append(0), self._hi.append(-1)
                     if runs is not None:
                         self._set_runs(i, runs)
-                self._append_segment(i, seg, UNKNOWN)
+                self._append_segment(i, seg["shard"], seg["group"], seg["start"], seg["frames"], UNKNOWN)
 
     def drop_shards(self, shards: set[str]) -> None:
         """Forget the segments in ``shards`` (they never became durable); a filename left without any is not listed."""
         dead = {self._shard_ids[s] for s in shards if s in self._shard_ids}
+        if not dead:
+            return
         for s, shard in enumerate(self._seg_shard):
             if shard in dead:
                 self._seg_shard[s] = -1
+        for i in range(len(self._count)):
+            self._count[i] = sum(self._seg_frames[s] for s in self._segments_of(i))
 
     def num_files(self) -> int:
         """Filenames with at least one segment."""
-        return sum(1 for name in self.ids if self._frames(self.ids[name])[0])
+        return len(self._count) - self._count.count(0)
 
     def max_frames(self) -> int:
         """The most frames one filename has (0 when there is none)."""
-        return max((self._frames(i)[0] for i in self.ids.values()), default=0)
-
-    def _frames(self, i: int) -> tuple[int, list[int]]:
-        segs = self._segments_of(i)
-        return sum(self._seg_frames[s] for s in segs), segs
+        return max(self._count, default=0)
 
     def files(self) -> dict[str, dict]:
         """``{filename: {"frames", "segments"}}`` as the index lists them, built now (for inspection)."""
-        out = {}
-        for name in sorted(self.ids):
-            total, segs = self._frames(self.ids[name])
-            if segs:
-                out[name] = {"frames": total, "segments": [self._segment(s) for s in segs]}
-        return out
+        return json.loads("".join(self.json_chunks()))
 
     def json_chunks(self) -> Iterator[str]:
-        """The index's ``files`` object, filenames sorted, as `json.dumps` writes it, `_CHUNK_FILES` names a piece."""
+        """The index's ``files`` object, filenames sorted, as `json.dumps` writes it, `_CHUNK_FILES` names a piece.
+
+        A filename of one segment is one line formatted here (its name escaped by `json`'s own
+        encoder); one of several, its entry as `json.dumps` writes it.
+        """
+        shards = [encode_basestring(name) for name in self._shards]
+        groups = [encode_basestring(name) for name in self._groups]
+        ids, count, first, more = self.ids, self._count, self._first, self._more
+        shard, group, start, frames = self._seg_shard, self._seg_group, self._seg_start, self._seg_frames
+        one = '%s: {"frames": %d, "segments": [{"shard": %s, "group": %s, "start": %d, "frames": %d}]}'
+        names = sorted(name for name, i in ids.items() if count[i])
         yield "{"
-        first, piece = True, {}
-        for name in sorted(self.ids):
-            total, segs = self._frames(self.ids[name])
-            if not segs:
-                continue
-            piece[name] = {"frames": total, "segments": [self._segment(s) for s in segs]}
-            if len(piece) >= _CHUNK_FILES:  # one dump a chunk: json's C encoder once, not twice a filename
-                yield ("" if first else ", ") + json.dumps(piece, ensure_ascii=False)[1:-1]
-                first, piece = False, {}
-        yield (("" if first else ", ") + json.dumps(piece, ensure_ascii=False)[1:-1] if piece else "") + "}"
+        for at in range(0, len(names), _CHUNK_FILES):
+            piece = []
+            for name in names[at : at + _CHUNK_FILES]:
+                i = ids[name]
+                s = first[i]
+                if i in more or shard[s] < 0:
+                    segs = [self._segment(k) for k in self._segments_of(i)]
+                    entry = json.dumps({"frames": count[i], "segments": segs}, ensure_ascii=False)
+                    piece.append(f"{encode_basestring(name)}: {entry}")
+                else:
+                    piece.append(
+                        one
+                        % (encode_basestring(name), count[i], shards[shard[s]], groups[group[s]], start[s], frames[s])
+                    )
+            yield ("" if at == 0 else ", ") + ", ".join(piece)
+        yield "}"
 
 
 def _intern(value, values: list, ids: dict) -> int:

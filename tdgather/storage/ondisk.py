@@ -65,7 +65,7 @@ def drop_written(
         if bool(again.any()):
             hits.append((k, again))
             out[k] = take(item, (~again).nonzero().flatten())
-    return [item for item in out if item is not None and item.idx.numel()], hits
+    return [item for item in out if item is not None and item.n], hits
 
 
 def compare_written(

@@ -40,16 +40,56 @@ __all__ = ["Item", "fill", "frame_bytes", "items_of", "shard_tensors", "take"]
 
 
 class Item(NamedTuple):
-    """One filename's frames in one write: a shard's unit."""
+    """One filename's frames in one write: a shard's unit.
+
+    Its frames are rows ``lo:hi`` of a gathered group's buffers (``source``: ``(group, lo, hi)``;
+    nothing is sliced per filename until asked), or tensors of its own (``own``: ``(idx, tensors,
+    json)``, made by `Item.of`).
+    """
 
     name: str
     layout: Layout
-    idx: torch.Tensor
-    tensors: list
-    json: list[list]
+    n: int  # frames
     runs: tuple[int, int] | None  # (lo, hi) when idx is the run lo..hi
     rank: Any  # the sender of every row (int, UNKNOWN if not known), or one per row (int32 tensor)
-    source: Any = None  # (group, lo, hi): its tensors are rows lo:hi of a gathered group's buffers
+    source: Any  # (group, lo, hi), or None
+    own: Any = None  # (idx, tensors, json) when there is no source
+
+    @classmethod
+    def of(cls, name: str, layout: Layout, idx: torch.Tensor, tensors: list, json: list, runs: Any, rank: Any) -> Item:
+        """An item of its own tensors: frame_idx ``idx``, a tensor per leaf and a list per JSON leaf."""
+        return cls(name, layout, idx.numel(), runs, rank, None, (idx, tensors, json))
+
+    @property
+    def idx(self) -> torch.Tensor:
+        """Its frame_idx (int64 ``[n]``)."""
+        if self.source is None:
+            return self.own[0]
+        g, lo, hi = self.source
+        return g.frame_idx[lo:hi]
+
+    @property
+    def tensors(self) -> list:
+        """Its leaves' rows, one per tensor leaf (a `Ragged` for a ragged one)."""
+        if self.source is None:
+            return self.own[1]
+        g, lo, hi = self.source
+        return [t[lo:hi] for t in g.leaves]
+
+    @property
+    def json(self) -> list[list]:
+        """Its JSON leaves' values, one list per leaf."""
+        if self.source is None:
+            return self.own[2]
+        g, lo, hi = self.source
+        return [v[lo:hi] for v in g.json]
+
+    @property
+    def nbytes(self) -> int:
+        """Tensor bytes of its frames: the fixed leaves', and its ragged leaves' values (`frame_bytes`)."""
+        if not self.layout.ragged:
+            return self.n * self.layout.frame_nbytes
+        return frame_bytes(self.layout, self.idx, self.tensors)
 
 
 def items_of(frames: Any, ranks: Mapping[str, set[int]]) -> list[Item]:
@@ -60,17 +100,15 @@ def items_of(frames: Any, ranks: Mapping[str, set[int]]) -> list[Item]:
         for name in sorted(frames):
             f = frames[name]
             layout, tensors, json_values = flatten(f.frames, f.frame_idx.numel(), f"filename {name!r}")
-            items.append(Item(name, layout, f.frame_idx, tensors, json_values, None, _one_rank(ranks.get(name))))
+            items.append(Item.of(name, layout, f.frame_idx, tensors, json_values, None, _one_rank(ranks.get(name))))
         return items
     items = []
-    for g in groups:  # views of the group's buffers: nothing is copied or rebuilt per file
-        runs, senders = _runs_per_file(g), _senders_per_file(g, ranks)
-        for i, name in enumerate(g.files):
-            lo, hi = g.starts[i], g.starts[i] + g.counts[i]
-            tensors, json_values = [t[lo:hi] for t in g.leaves], [v[lo:hi] for v in g.json]
-            items.append(
-                Item(name, g.layout, g.frame_idx[lo:hi], tensors, json_values, runs[i], senders[i], (g, lo, hi))
-            )
+    for g in groups:  # rows of the group's buffers: nothing is copied, sliced or rebuilt per file
+        runs, senders, layout = _runs_per_file(g), _senders_per_file(g, ranks), g.layout
+        items += [
+            Item(name, layout, n, run, sender, (g, lo, lo + n))
+            for name, lo, n, run, sender in zip(g.files, g.starts, g.counts, runs, senders, strict=True)
+        ]
     return sorted(items, key=lambda item: item.name)
 
 
@@ -111,7 +149,7 @@ def take(item: Item, rows: torch.Tensor) -> Item:
     rank = item.rank[rows] if isinstance(item.rank, torch.Tensor) else item.rank
     json_values = [[values[k] for k in rows.tolist()] for values in item.json]
     tensors = [t.index_select(0, rows) for t in item.tensors]
-    return Item(item.name, item.layout, item.idx[rows], tensors, json_values, None, rank)
+    return Item.of(item.name, item.layout, item.idx[rows], tensors, json_values, None, rank)
 
 
 def fill(items: list[Item], max_shard_bytes: int) -> list[list[Item]]:
@@ -123,7 +161,7 @@ def fill(items: list[Item], max_shard_bytes: int) -> list[list[Item]]:
     shards: list[list[Item]] = [[]]
     size = header = 0
     for item in items:
-        nbytes = frame_bytes(item.layout, item.idx, item.tensors) + 8 * item.idx.numel()
+        nbytes = item.nbytes + 8 * item.n
         record = segment_record_bytes(item.name)  # many long filenames: the header's limit comes first
         if shards[-1] and (size + nbytes > max_shard_bytes or header + record > SHARD_HEADER_MAX):
             shards.append([])
@@ -141,7 +179,7 @@ def shard_tensors(shard: list) -> tuple[dict, list, list]:
     """
     by_layout: dict[Layout, list[int]] = {}  # each layout's items, by their place in the shard
     for k, item in enumerate(shard):
-        by_layout.setdefault(item[1], []).append(k)
+        by_layout.setdefault(item.layout, []).append(k)
     groups, entries, segments = {}, [], [None] * len(shard)
     for g, (layout, places) in enumerate(by_layout.items()):
         key = f"g{g}"
@@ -150,25 +188,25 @@ def shard_tensors(shard: list) -> tuple[dict, list, list]:
         items = [shard[k] for k in places]
         row = 0
         for k, item in zip(places, items, strict=True):
-            n = item[2].numel()
+            n = item.n
             segments[k] = (key, row, n)
             row += n
         runs = _runs(items)  # consecutive rows of one gathered group: one piece each, not one a filename
-        entries.append((names.frame_idx, torch.int64, (row,), _pieces(items, runs, lambda g: g.frame_idx, 2, None)))
+        entries.append((names.frame_idx, torch.int64, (row,), _pieces(items, runs, lambda g: g.frame_idx, None)))
         for j, (name, leaf) in enumerate(zip(names.leaves, layout.leaves, strict=True)):
             if leaf.ragged:
-                column = [x[3][j] for x in items]  # values, then offsets: frame i is rows offsets[i] : offsets[i + 1]
+                column = [x.tensors[j] for x in items]  # values, then offsets: frame i is offsets[i] : offsets[i + 1]
                 spans = [r.span() for r in joined(column)]
                 offsets = offsets_of(torch.cat([n for _, n in spans]))
                 values = [v for v, _ in spans]
                 entries.append((name, leaf.dtype, (int(offsets[-1]), *leaf.shape), values))
                 entries.append((names.offsets(name), torch.int64, (row + 1,), [offsets]))
             else:
-                column = _pieces(items, runs, lambda g, j=j: g.leaves[j], 3, j)
+                column = _pieces(items, runs, lambda g, j=j: g.leaves[j], j)
                 entries.append((name, leaf.dtype, (row, *leaf.shape), column))
         for j, name in enumerate(names.json):
             lines = [
-                json.dumps(v, ensure_ascii=False, allow_nan=False).encode() + b"\n" for x in items for v in x[4][j]
+                json.dumps(v, ensure_ascii=False, allow_nan=False).encode() + b"\n" for x in items for v in x.json[j]
             ]
             offsets = torch.tensor([0, *map(len, lines)], dtype=torch.int64).cumsum(0)
             blob = torch.frombuffer(bytearray(b"".join(lines)), dtype=torch.uint8)
@@ -194,15 +232,18 @@ def _runs(items: list[Item]) -> list[tuple[int, int]]:
     return out
 
 
-def _pieces(items: list[Item], runs: list[tuple[int, int]], buffer: Any, field: int, j: int | None) -> list:
-    """A column's pieces: a run of several items one slice of their group's ``buffer``; else each item's own."""
+def _pieces(items: list[Item], runs: list[tuple[int, int]], buffer: Any, j: int | None) -> list:
+    """A column's pieces: a run of several items one slice of their group's ``buffer``; else each item's own.
+
+    ``j``: the column is leaf ``j`` (None: frame_idx).
+    """
     out = []
     for a, b in runs:
         if b - a > 1:
             g, lo = items[a].source[0], items[a].source[1]
             out.append(buffer(g)[lo : items[b - 1].source[2]])
         else:
-            out.append(items[a][field] if j is None else items[a][field][j])
+            out.append(items[a].idx if j is None else items[a].tensors[j])
     return out
 
 

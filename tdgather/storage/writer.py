@@ -53,7 +53,7 @@ from .ondisk import compare_written, drop_written
 from .output import Output, output_at
 from .runstate import RunState
 from .scan import from_shards
-from .shards import Item, fill, frame_bytes, items_of, shard_tensors
+from .shards import Item, fill, items_of, shard_tensors
 from .store import Store, digest
 
 __all__ = ["DEFAULT_SHARD_BYTES", "DatasetWriter"]
@@ -217,12 +217,10 @@ class DatasetWriter:
         chunks = encode(entries, meta)
         written = self.out.store.put(name_of_shard, chunks, then=self._in_background(name_of_shard))
         self._mine.append(name_of_shard)
-        for item, (group, start, frames) in zip(shard, segments, strict=True):
-            segment = {"shard": name_of_shard, "group": group, "start": start, "frames": frames}
-            self.catalog.add(item.name, item.layout, segment, item.idx, item.runs, item.rank)
+        self.catalog.add_shard(name_of_shard, shard, segments)
         self.shards[name_of_shard] = {
-            "frames": sum(item.idx.numel() for item in shard),
-            "bytes": sum(frame_bytes(item.layout, item.idx, item.tensors) for item in shard),
+            "frames": sum(item.n for item in shard),
+            "bytes": sum(item.nbytes for item in shard),
             "groups": groups,
             **written.entry(),  # size (and sha256), listed in the index
         }
