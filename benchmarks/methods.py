@@ -30,6 +30,9 @@ inside the timed call, as it is for tdgather.
   pad each tensor to the largest, ``all_gather``, trim; rank 0 keeps what it gathered. A ragged
   leaf is first padded to the largest ``N_i`` on any rank (``all_reduce`` MAX, then
   ``to_padded_tensor``), and the file ids, frame_idx and every ``N_i`` are gathered with it.
+- ``torch_save``: what many jobs do instead of gathering: every rank ``torch.save``'s its own batches to
+  its own file and fsyncs it; rank 0 returns once every rank has (a barrier). It writes N files, in no
+  order, pickled: nothing is gathered, sorted or merged, and a reader must load and join them all.
 - ``disk_raw``: the disk's limit: rank 0 writes the same total bytes sequentially and fsyncs.
 - ``disk_writeback``: the same, starting writeback of each 8 MiB block as it is written
   (``sync_file_range``), so the final fsync waits for less.
@@ -310,6 +313,20 @@ def _all_gather_padded(t: torch.Tensor) -> list[torch.Tensor]:
     return [o[: int(s)].view(t.dtype).view(int(s), *t.shape[1:]) for o, s in zip(out, sizes, strict=True)]  # 4. trim
 
 
+def torch_save(d: RankData) -> None:
+    """Every rank ``torch.save``'s its own batches to its own file and fsyncs it; rank 0 returns once all N are."""
+    d.calls += 1
+    folder = os.path.join(d.scratch, f"torch_save-{d.token}-{d.calls}")  # the same folder on every rank
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank{dist.get_rank()}.pt"), "wb") as fh:
+        torch.save(d.batches, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    if dist.get_rank() == 0:
+        d.written.append(folder)
+    dist.barrier()  # rank 0's clock stops when the last rank's file is on disk
+
+
 def disk_raw(d: RankData) -> None:
     if dist.get_rank() != 0:
         return
@@ -376,6 +393,7 @@ METHODS: dict[str, Callable[[RankData], object]] = {
     "td_remote": td_remote,
     "td_gather_and_stack": td_gather_and_stack,
     "pad_all_gather": pad_all_gather,
+    "torch_save": torch_save,
     "disk_raw": disk_raw,
     "disk_writeback": disk_writeback,
 }

@@ -6,13 +6,14 @@ import datetime as _dt
 import os
 import platform
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import safetensors
 import tensordict
 import torch
 
-__all__ = ["machine", "summarise", "write_report"]
+__all__ = ["grouped_bars", "machine", "pyplot", "summarise", "write_report"]
 
 
 def machine() -> dict[str, str]:
@@ -85,8 +86,8 @@ def write_report(
         " memfd, Collector segments) during the first call in a fresh process, above its"
         " value before it, over the bytes received (the result the method returns is included);"
         f" the Collector runs with a {budget_mib} MiB budget and writes to disk (compare with disk_raw)",
-        "- disk: what a writing method wrote (tdgather_save, tdgather_collector, disk_raw) is deleted after each"
-        " call, untimed, so that the page cache reuses its pages as on a host that has run a while (on these VMs"
+        "- disk: what a writing method wrote (tdgather_save, tdgather_collector, torch_save, disk_raw) is deleted after"
+        " each call, untimed, so that the page cache reuses its pages as on a host that has run a while (on these VMs"
         " a page the guest never touched costs ~3 ms/MB to write into the first time)",
         "- large_whole is large with each video on one rank (a sampler over videos), an extra to large;"
         " td_gather_and_stack runs only where every sender holds the same count of one layout",
@@ -132,7 +133,8 @@ def write_report(
     return md
 
 
-def _plot(summary: list[dict], path: Path) -> Path | None:
+def pyplot():
+    """matplotlib's pyplot on the Agg backend; None, with a printed note, where matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -141,23 +143,33 @@ def _plot(summary: list[dict], path: Path) -> Path | None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install 'tdgather[bench]')")
         return None
+    return plt
+
+
+def grouped_bars(ax, groups: list[str], series: list[str], value: Callable[[str, str], float | None]) -> None:
+    """On ``ax``, one bar per (group, series): groups along x, a colour and a legend label per series (missing: 0)."""
+    width = 0.8 / len(series)
+    for k, name in enumerate(series):
+        heights = [value(g, name) or 0 for g in groups]
+        ax.bar([i + k * width for i in range(len(groups))], heights, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups)
+
+
+def _plot(summary: list[dict], path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
     worlds = sorted({r["world"] for r in summary})
     workloads = list(dict.fromkeys(r["workload"] for r in summary))
     methods = list(dict.fromkeys(r["method"] for r in summary))
+    by_key = {(r["world"], r["workload"], r["method"]): r for r in summary}
     fig, axes = plt.subplots(len(worlds), 2, figsize=(16, 4.5 * len(worlds)), squeeze=False)
-    width = 0.8 / len(methods)
     for row, world in enumerate(worlds):
         for col, (key, label) in enumerate(
             [("mb_s", "MB/s received by rank 0 (log)"), ("mem_x", "rank 0 peak memory / bytes received")]
         ):
             ax = axes[row][col]
-            for k, method in enumerate(methods):
-                values = []
-                for w in workloads:
-                    s = next((r for r in summary if (r["world"], r["workload"], r["method"]) == (world, w, method)), {})
-                    values.append(s.get(key) or 0)
-                ax.bar([i + k * width for i in range(len(workloads))], values, width, label=method)
-            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))], workloads)
+            grouped_bars(ax, workloads, methods, lambda w, m, k=key, n=world: by_key.get((n, w, m), {}).get(k))
             ax.set_title(f"world {world}: {label}")
             if key == "mb_s":
                 ax.set_yscale("log")

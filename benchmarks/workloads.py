@@ -7,6 +7,7 @@ Frames are assigned to ranks by global position: round-robin, as
 - ``large_whole``: the same frames, each video on one rank (a sampler over videos);
 - ``tiny``: 400k frames of 16 float32;
 - ``skewed``: 3x32x32 float32 frames, 246 MB, rank 1 holds 70%, the last rank none;
+- ``per_image``: 20,000 images, one frame each (``image_00012.jpg``): float32[1000] class logits;
 - ``mixed``: shapes and dtypes (float32, bfloat16, uint8, bool, float16, int16) differ by filename;
 - ``detection``: a detector's output, from `benchmarks.detection`: per frame 0-50 ``boxes`` float32
   ``[N_i, 4]``, ``scores`` float32 ``[N_i]`` and ``labels`` int64 ``[N_i]`` (jagged nested tensors
@@ -30,6 +31,7 @@ WORKLOADS = {
     "tiny": (4_000, 100),
     "skewed": (100, 200),
     "mixed": (600, 20),
+    "per_image": (20_000, 1),
     "detection": (100, detection.PER_VIDEO),  # 17 MB: gather_object takes ~3.5 s a call on 2 cores
 }
 _MIXED = [
@@ -49,6 +51,8 @@ def _spec(name: str, file: int) -> tuple[torch.dtype, tuple[int, ...]]:
         return torch.float32, (16,)
     if name == "skewed":
         return torch.float32, (3, 32, 32)
+    if name == "per_image":
+        return torch.float32, (1000,)
     return _MIXED[file % len(_MIXED)]
 
 
@@ -103,9 +107,14 @@ def batches(
             same = (file_of[start:stop] % len(_MIXED)) == kind
             stop = start + int(same.int().cumprod(0).sum())
         dtype, shape = _spec(name, int(file_of[start]))
-        names = [f"{name}_{int(f):05d}.mp4" for f in file_of[start:stop]]
+        names = [_filename(name, int(f)) for f in file_of[start:stop]]
         yield names, idx_of[start:stop].clone(), _frames(dtype, shape, stop - start, seed=rank * 1_000_003 + start)
         start = stop
+
+
+def _filename(name: str, file: int) -> str:
+    """A file's name: ``large_00012.mp4``; a per_image workload's ``image_00012.jpg``."""
+    return f"image_{file:05d}.jpg" if name == "per_image" else f"{name}_{file:05d}.mp4"
 
 
 def describe(name: str, scale: float = 1.0) -> str:
@@ -118,4 +127,7 @@ def describe(name: str, scale: float = 1.0) -> str:
         return f"{files * per_file} frames of 0-50 boxes, scores, labels and a float32[{detection.FEAT}] embedding"
     dtype, shape = _spec(name, 0)
     nbytes = files * per_file * torch.Size(shape).numel() * dtype.itemsize
-    return f"{files * per_file} frames {str(dtype).removeprefix('torch.')}{list(shape)}, {nbytes / 1e6:.0f} MB"
+    frames = f"{str(dtype).removeprefix('torch.')}{list(shape)}, {nbytes / 1e6:.3g} MB"
+    if name == "per_image":
+        return f"{files} images, one frame each, {frames}"
+    return f"{files * per_file} frames {frames}"
