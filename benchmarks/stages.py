@@ -1,8 +1,10 @@
 """Where one call's time goes: per-stage wall time on every rank, by timers around tdgather's functions.
 
 Run: ``python -m benchmarks.stages gather tiny --world 2`` (a workload of `benchmarks.workloads`, the
-store filled before the timing as `tdgather_gather` does) or ``python -m benchmarks.stages collector
-300 --world 2`` (every sender streams that many MB of 1 MiB frames to a Collector, as
+store filled before the timing as `tdgather_gather` does), ``python -m benchmarks.stages dict large
+--world 4`` (`gather` of the workload as ``{filename: [(frame_idx, frame), ...]}``, each frame a
+tensor of its own, as `tdgather_dict` does) or ``python -m benchmarks.stages collector 300 --world
+2`` (every sender streams that many MB of 1 MiB frames to a Collector, as
 `benchmarks.host` does; ``--pace`` seconds between batches of 32 MiB, as an inference loop spaces
 them, so that rank dst keeps up: the ring of shared memory segments is then written again, and a
 sender's ``ShmWriter.write`` shows what a chunk costs it; ``--ranks-per-writer 1``, every rank
@@ -43,7 +45,6 @@ STAGES = {  # module: names (a "Class.method" is wrapped on its class)
         "read_pieces",
         "read_frames",
         "merge",
-        "joined_chunks",
         "FrameStore.parts",
         "Receive._place",
         "Receive._land_local",
@@ -57,6 +58,7 @@ STAGES = {  # module: names (a "Class.method" is wrapped on its class)
     "tdgather.comm.protocol": ["open_shm", "Joiner.join"],
     "tdgather.comm.transport": ["decode_json", "decode_header", "decode_index", "Channel.recv_answer"],
     "tdgather.comm.shm": ["ShmWriter.write", "ShmWriter._handed_back", "_hand_back", "_fill"],
+    "tdgather.core.scatter": ["joined_chunks", "scatter_chunks"],
     "tdgather.comm.direct": ["ResultMemory.arena", "Target.write", "Target.open"],
     "tdgather.storage.writer": ["DatasetWriter._write_shard", "DatasetWriter.write", "DatasetWriter.commit"],
     "tdgather.storage.shards": ["items_of", "fill", "shard_tensors"],
@@ -90,7 +92,7 @@ def _instrument() -> None:
 
 def _call(kind: str, arg: str, scratch: str, number: int, state: dict, pace: float = 0.0) -> None:
     rank = dist.get_rank()
-    if kind == "gather":
+    if kind in ("gather", "dict"):
         state["held"] = tdgather.gather(state["store"])  # freed after the clock stops, as the suite does
         return
     path = os.path.join(scratch, f"c{number}")
@@ -116,6 +118,11 @@ def _rank(kind: str, arg: str, repeats: int, scratch: str, pace: float = 0.0, wr
         state["store"] = tdgather.FrameStore(copy=False)
         for names, idx, frames in workloads.batches(arg, rank, world):
             state["store"].add(names, idx, frames)
+    elif kind == "dict":  # the seed's form: {filename: [(frame_idx, frame), ...]}, each frame a tensor of its own
+        state["store"] = {}
+        for names, idx, frames in workloads.batches(arg, rank, world):
+            for name, i, frame in zip(names, idx.tolist(), frames, strict=True):
+                state["store"].setdefault(name, []).append((i, frame.clone()))
     elif kind == "images":
         names = [f"img_{i:07d}.jpg" for i in range(rank, int(arg), world)]
         state["images"] = [
@@ -156,9 +163,10 @@ def _rank(kind: str, arg: str, repeats: int, scratch: str, pace: float = 0.0, wr
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("kind", choices=["gather", "collector", "images"])
+    p.add_argument("kind", choices=["gather", "dict", "collector", "images"])
     p.add_argument(
-        "arg", help="gather: a workload (tiny, mixed, large, ...); collector: MB a sender streams; images: filenames"
+        "arg",
+        help="gather, dict: a workload (tiny, mixed, large, ...); collector: MB a sender streams; images: filenames",
     )
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)

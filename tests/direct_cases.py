@@ -66,11 +66,22 @@ def case_gather(env: dict, variant: str = "plain", dst: int = 0, frames_per_file
 
 
 def _kill_mid_write() -> None:
-    """From now on, this rank SIGKILLs itself halfway through its first row scatter into a mapped buffer."""
+    """From now on, this rank SIGKILLs itself halfway through its first row scatter into a mapped buffer.
+
+    Rows go there by an index copy (killed with half its rows in), or, a dict's large frames one row
+    each, by a `torch.cat` into each run of places (killed before the fourth run, three in).
+    """
     import signal
 
-    real_frombuffer, real_index_copy = torch.frombuffer, torch.Tensor.index_copy_
-    state = {"mapped": False}
+    real_frombuffer, real_index_copy, real_cat = torch.frombuffer, torch.Tensor.index_copy_, torch.cat
+    state = {"mapped": False, "runs": 0}
+
+    def cat(tensors, *args, out=None, **kwargs):
+        if state["mapped"] and out is not None:  # a run of rows into the mapping: the fourth never lands
+            state["runs"] += 1
+            if state["runs"] == 4:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return real_cat(tensors, *args, out=out, **kwargs)
 
     def frombuffer(*args, **kwargs):
         state["mapped"] = True
@@ -83,7 +94,7 @@ def _kill_mid_write() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return real_index_copy(self, dim, index, source)
 
-    torch.frombuffer, torch.Tensor.index_copy_ = frombuffer, index_copy_
+    torch.frombuffer, torch.Tensor.index_copy_, torch.cat = frombuffer, index_copy_, cat
 
 
 def case_sender_killed_mid_write(env: dict, frames_per_file: int = 30) -> dict | None:

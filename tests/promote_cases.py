@@ -15,6 +15,9 @@ A batch whose frames all have the same count comes as the model would give it: s
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -141,7 +144,8 @@ def case_collector(
 def case_resume(path: str) -> dict | None:
     """Attempt 1 sends late.mp4's first half (2 boxes each: stored fixed) and fails; attempt 2 sends all."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    try:
+    given = Path(f"{path}.given")  # rank 1 has added its half: rank 0 fails only then (else rank 1's add may
+    try:  # raise rank 0's failure, a PeerError, before it adds them all)
         with tdgather.Collector(path, progress=False) as col:
             give(
                 col,
@@ -149,6 +153,11 @@ def case_resume(path: str) -> dict | None:
                 world,
                 "model",
             )
+            if rank:
+                given.touch()
+            deadline = time.monotonic() + 60
+            while not rank and not given.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
             raise RuntimeError("attempt 1 stops here")
     except RuntimeError as e:
         if "attempt 1" not in str(e) and rank == 0:

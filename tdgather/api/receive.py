@@ -30,7 +30,7 @@ from ..core.part import Part
 from ..core.plan import Group, Mismatches, Placement, keep_first_layouts, place
 from ..core.promote import unify
 from ..core.ragged import Ragged
-from ..core.scatter import joined_chunks, scatter_chunks
+from ..core.scatter import scatter_chunks
 from ..errors import FrameConflictError, PeerLostError, ProtocolError, TdgatherError
 from .gathered import Gathered, GatherStats
 from .landing import Landing, Placed
@@ -114,9 +114,7 @@ class Receive:
         with ThreadPoolExecutor(max_workers=len(self.channels), thread_name_prefix="tdgather-recv") as pool:
             futures = {peer: pool.submit(self._read_peer, peer) for peer in self.channels}
             try:
-                self.parts[self.rank] = own = as_store(self.predictions, self.ragged).parts(self.rank)
-                for part in own:  # while the peers' frame indexes come: many small batches joined now
-                    part.chunks = joined_chunks(part.chunks, len(part.layout.leaves))
+                self.parts[self.rank] = as_store(self.predictions, self.ragged).parts(self.rank)
             except Exception as e:
                 self.errors[-1] = e
             deadline = time.monotonic() + self.grace

@@ -54,7 +54,7 @@ from .flatten import check_ragged_names, flatten
 from .forms import Bucket, as_pairs, by_filename, declared_fixed, join_frames, mismatch, not_a_pair, ragged_spec
 from .frames import Layout, RaggedSpec
 from .inputs import as_index, check_filenames
-from .layoutgroup import Chunk, LayoutGroup, is_plain_index, unflagged
+from .layoutgroup import ROW_ALONE, Chunk, LayoutGroup, is_plain_index, unflagged
 from .part import Part
 from .promote import promote, varying
 from .ragged import Ragged
@@ -240,9 +240,15 @@ class FrameStore:
                 if not self._fits(self._saved.get(name, b.layout), b.layout):
                     raise mismatch(name, self._saved[name], b.layout, saved=True)
         for b, idx in buckets:  # checked: nothing is half-added
-            tensors = [join_frames(ts, b.how) for ts in b.leaves]
             group = self._group(b.layout)
             self._claim(group, b.names)
+            if not self.copy and b.how == "stack" and _referenced(b, group):  # each frame a chunk: no stack
+                group.pending += b.names
+                group.keep_rows(idx, b.leaves[0])
+                self.num_frames += len(b.names)
+                self.nbytes += len(b.names) * group.frame_nbytes
+                continue
+            tensors = [join_frames(ts, b.how) for ts in b.leaves]
             self._append(group, b.names, idx, tensors, b.json, copy=False)
 
     def _claim(self, g: LayoutGroup, names: list[str]) -> None:
@@ -423,6 +429,17 @@ class FrameStore:
         return sum(len(g.chunks) + (g.fill > g.start) for g in self._groups.values())
 
 
+def _referenced(b: Bucket, g: LayoutGroup) -> bool:
+    """Whether a bucket's frames may be held as they are, each a chunk of one row (`LayoutGroup.keep_rows`).
+
+    Plain CPU tensors (one leaf, no JSON) of at least `ROW_ALONE` bytes a frame: then the copy into
+    the message (or, rank dst's own, into the result) is the only one, where a stack would copy
+    every frame once more first. (A frame that is not contiguous, or has a conjugate or negative
+    bit, is copied alone.)
+    """
+    return g.frame_nbytes >= ROW_ALONE and len(b.leaves) == 1 and not b.json and all(t.is_cpu for t in b.leaves[0])
+
+
 def as_store(predictions: FrameStore | Mapping[str, Any], ragged: Any = ()) -> FrameStore:
     """Return ``predictions`` as a `FrameStore` (a store passes through); ``ragged`` as `FrameStore.update` takes it."""
     if isinstance(predictions, FrameStore):
@@ -434,6 +451,6 @@ def as_store(predictions: FrameStore | Mapping[str, Any], ragged: Any = ()) -> F
             "expected a dict {filename: (frame_idx, tensor)}, {filename: [(frame_idx, tensor), ...]} "
             f"or a tdgather.FrameStore, got {type(predictions).__name__}"
         )
-    store = FrameStore()
+    store = FrameStore(copy=False)  # read during the call that was given it: its large frames are not copied
     store.update(predictions, ragged=ragged)
     return store

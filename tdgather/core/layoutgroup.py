@@ -18,11 +18,12 @@ import torch
 
 from .frames import Layout
 
-__all__ = ["Chunk", "LayoutGroup", "is_plain_index", "unflagged"]
+__all__ = ["ROW_ALONE", "Chunk", "LayoutGroup", "is_plain_index", "unflagged"]
 
 _SMALL = 64 << 10  # a copied batch of at most this many bytes goes into its layout's open block
 _BLOCK_MIN = 64 << 10  # a layout's first block; each next one twice as large, up to _BLOCK_MAX
 _BLOCK_MAX = 4 << 20
+ROW_ALONE = 32 << 10  # a dict's frame of at least this many bytes may be held as a chunk of its own (no stack)
 _memmove = ctypes.memmove
 
 
@@ -83,6 +84,18 @@ class LayoutGroup:
         self.seal()
         self.idx.append(idx)
         self.chunks.append(tensors)
+
+    def keep_rows(self, idx: torch.Tensor, frames: list[torch.Tensor]) -> None:
+        """Add frames (CPU tensors of this layout's one leaf) as chunks of one row each, as they are.
+
+        Only a frame that is not contiguous, or has a conjugate or negative bit, is copied (its values).
+        """
+        self.seal()
+        self.idx += idx.split(1)
+        self.chunks += [
+            [(t if t.is_contiguous() and unflagged(t) else t.resolve_conj().resolve_neg().contiguous()).unsqueeze(0)]
+            for t in frames
+        ]
 
     def seal(self) -> None:
         """End the open block's chunk here (later batches start a new one)."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .ragged import element_index, values_of
-from .rows import run_start, scatter_rows
+from .rows import row_view, run_start, scatter_rows
 
 __all__ = ["ValuePlaces", "joined_chunks", "scatter_chunks"]
 
@@ -50,7 +50,7 @@ class ValuePlaces:
 # below this average batch size, chunks are joined and scattered together (a scatter a chunk costs
 # Python calls; joining costs a copy into new memory): 64 KiB; at 1 MiB, mixed took 0.060-0.064 s
 # (now 0.047-0.054) and skewed 0.16-0.24 s (now 0.14) at 2 ranks (`benchmarks.suite`); tiny, detection unchanged
-_SMALL_CHUNK = 64 << 10
+_SMALL_CHUNK = 32 << 10
 _JOINED = 16 << 20  # in joined chunks of about this many bytes
 
 
@@ -85,6 +85,10 @@ def scatter_chunks(buffers: list[Any], dests: list[torch.Tensor], chunks: list[l
     """
     if not chunks or not buffers:
         return
+    if _one_row_each(buffers, dests, chunks):
+        for j, (buf, dest) in enumerate(zip(buffers, dests, strict=True)):
+            _rows_in_runs(buf, dest, [c[j] for c in chunks])
+        return
     chunks = joined_chunks(chunks, len(buffers))
     runs: dict[int, list] = {}  # leaves that are not ragged share one dest: its runs are found once
     for j, (buf, dest) in enumerate(zip(buffers, dests, strict=True)):
@@ -95,3 +99,28 @@ def scatter_chunks(buffers: list[Any], dests: list[torch.Tensor], chunks: list[l
         for chunk, (d, first) in zip(chunks, runs[id(dest)], strict=True):
             if d.numel():
                 scatter_rows(data, d if first is None else first, chunk[j])
+
+
+def _one_row_each(buffers: list[Any], dests: list[torch.Tensor], chunks: list[list[torch.Tensor]]) -> bool:
+    """Whether every chunk is one row (a dict's large frames, each its own) of plain leaves, a place each."""
+    return (
+        len(chunks) > 8
+        and all(type(b) is torch.Tensor for b in buffers)
+        and all(d.numel() == len(chunks) for d in dests)
+        and all(t.shape[0] == 1 for c in chunks for t in c)
+    )
+
+
+def _rows_in_runs(buf: torch.Tensor, dest: torch.Tensor, rows: list[torch.Tensor]) -> None:
+    """Row ``k`` to ``buf[dest[k]]``: each run of consecutive places one `torch.cat` straight into it.
+
+    The frames are copied once, where joining them first (`joined_chunks`) would copy them twice;
+    as bytes (`row_view`), bit-exact for every dtype.
+    """
+    breaks = (dest[1:] != dest[:-1] + 1).nonzero().flatten().add(1).tolist()
+    for a, b in zip([0, *breaks], [*breaks, len(rows)], strict=True):
+        at = int(dest[a])
+        if at < 0 or at + b - a > buf.shape[0]:  # a place outside the buffer: the index copy names it
+            scatter_rows(buf, dest[a:b], torch.cat(rows[a:b]))
+            continue
+        torch.cat([row_view(r, 1) for r in rows[a:b]], out=row_view(buf[at : at + b - a], 1))  # bytes: any dtype
