@@ -7,10 +7,11 @@ Two figures, each against its own baseline in the same run:
 - ``--resume N``: a run that saves N one-frame filenames fails; a ``resume=True`` run sends them all
   again. Reported: its ``close_seconds`` (re-sent copies compared with the disk), beside the loop.
 - ``--close N``: N one-frame filenames of 1 KB (``float32[256]``, batches of 500) at 2 ranks, the
-  Collector's default from open to close against the same outputs written by hand: each rank keeps
-  its batches, sorts its filenames, writes one safetensors file and a JSON of each filename's row,
-  and fsyncs both. Figure: the slowest rank's seconds from a barrier to its last write (median of
-  ``--repeats``), and the Collector's over the hand-written's, in the same world.
+  Collector's default (or ``--ranks-per-writer k``) from open to close against the same outputs
+  written by hand: each rank keeps its batches, sorts its filenames, writes one safetensors file and
+  a JSON of each filename's row, and fsyncs both. Figure: the slowest rank's seconds from a barrier
+  to its last write (median of ``--repeats``), and the Collector's over the hand-written's, in the
+  same world.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def _by_hand(out: str, names: list[str], batches: list[torch.Tensor]) -> None:
         os.close(fd)
 
 
-def case_close(out: str, n: int, repeats: int) -> dict | None:
+def case_close(out: str, n: int, repeats: int, writers: int | None = None) -> dict | None:
     """Seconds of the Collector and of the hand-written files, each the slowest rank's, per repeat."""
     rank, world, batch = dist.get_rank(), dist.get_world_size(), 500
     names = [f"img_{i:07d}.jpg" for i in range(rank, n, world)]
@@ -101,7 +102,8 @@ def case_close(out: str, n: int, repeats: int) -> dict | None:
             dist.barrier()
             start = time.perf_counter()
             if how == "collector":
-                with tdgather.Collector(where, timeout=600, progress=False, log_summary=False) as col:
+                kw = {"ranks_per_writer": writers} if writers else {}
+                with tdgather.Collector(where, timeout=600, progress=False, log_summary=False, **kw) as col:
                     for c, o in zip(chunks, outputs, strict=True):
                         col.add(c, [0] * len(c), o)
             else:
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume", type=int, nargs="*", default=[], help="filenames re-sent on resume")
     parser.add_argument("--close", type=int, nargs="*", default=[], help="filenames for the close figure")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks-per-writer", type=int, help="--close: the Collector's ranks_per_writer (default none)")
     parser.add_argument("--budget-mib", type=int, default=16)
     args = parser.parse_args(argv)
     budget = args.budget_mib << 20
@@ -138,10 +141,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"resume {n} re-sent filenames: close {r['close']:.2f} s of {r['total']:.2f} s, {r['dropped']} dropped")
     for n in args.close:
         with tempfile.TemporaryDirectory() as d:
-            t = run_local_world(case_close, 2, d, n, args.repeats, timeout=1800)[0]
+            t = run_local_world(case_close, 2, d, n, args.repeats, args.ranks_per_writer, timeout=1800)[0]
         col, hand = statistics.median(t["collector"]), statistics.median(t["by_hand"])
+        writers = f", ranks_per_writer={args.ranks_per_writer}" if args.ranks_per_writer else ""
         print(
-            f"close {n} one-frame filenames: Collector {col:.2f} s, by hand {hand:.2f} s: {col / hand:.2f}x "
+            f"close {n} one-frame filenames{writers}: "
+            f"Collector {col:.2f} s, by hand {hand:.2f} s: {col / hand:.2f}x "
             f"(Collector {', '.join(f'{x:.2f}' for x in t['collector'])}; "
             f"by hand {', '.join(f'{x:.2f}' for x in t['by_hand'])})"
         )

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 import tdgather
 from tdgather.storage.catalog import Catalog
+from tdgather.storage.shards import Item
 from tdgather.storage.writer import DatasetWriter
 
 
@@ -77,3 +78,35 @@ def test_a_gathered_group_writes_the_bytes_one_piece_a_filename_writes(tmp_path,
     ds = tdgather.open(tmp_path / "runs")
     name = sorted(ds)[-1]
     assert torch.equal(ds[name].frames["x"], gathered[name].frames["x"]) and len(ds) == n
+
+
+def test_a_shard_recorded_in_one_pass_is_what_one_add_an_item_records():
+    layout = tdgather.gather({"a": [(0, torch.zeros(2))]}).groups[0].layout
+    one = torch.zeros(1, 2)
+
+    def item(name: str, idx: list[int], rank) -> Item:
+        runs = (idx[0], idx[-1]) if idx == list(range(idx[0], idx[-1] + 1)) else None
+        return Item.of(name, layout, torch.tensor(idx), [one.expand(len(idx), 2)], [], runs, rank)
+
+    first = [item("old.mp4", [0], 0), item("other.mp4", [0, 1], 1)]
+    second = [  # new names (one run, one sender), a name held, a name twice, gaps, rows from several ranks
+        item("a.mp4", [0], 0),
+        item("old.mp4", [1, 2], 1),
+        item("b.mp4", [0, 1, 2], 1),
+        item("b.mp4", [5], 0),
+        item("c.mp4", [0, 2], 0),
+        item("d.mp4", [0, 1], torch.tensor([0, 1], dtype=torch.int32)),
+        item("e.mp4", [3], 2),
+    ]
+    by_pass, by_add = Catalog(), Catalog()
+    for k, shard in enumerate((first, second)):
+        segments = [("g0", row, it.n) for row, it in enumerate(shard)]
+        by_pass.add_shard(f"s{k}", shard, segments)
+        for it, (group, start, frames) in zip(shard, segments, strict=True):
+            seg = {"shard": f"s{k}", "group": group, "start": start, "frames": frames}
+            by_add.add(it.name, it.layout, seg, it.idx, it.runs, it.rank)
+    assert "".join(by_pass.json_chunks()) == "".join(by_add.json_chunks())
+    for name in by_add.ids:
+        assert torch.equal(by_pass.written(name), by_add.written(name)) and by_pass.ranks(name) == by_add.ranks(name)
+    assert by_pass.files()["b.mp4"]["frames"] == 4 and by_pass.ranks("d.mp4") == [0, 1]
+    assert by_pass.num_files() == 7 and by_pass.max_frames() == 4

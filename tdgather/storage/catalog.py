@@ -115,36 +115,43 @@ class Catalog:
     def add_shard(self, shard: str, items: Sequence, segments: Sequence[tuple[str, int, int]]) -> None:
         """Record every item of shard ``shard`` (`tdgather.storage.shards.Item`s) at its ``(group, start, frames)``.
 
-        The same as `add` for each, in one pass: a filename seen for the first time, whose frames
-        are one run from one sender (the usual case), costs a few array appends.
+        The same as `add` for each. The items seen for the first time, whose frames are one run from
+        one sender (the usual case), are recorded column by column, a few list passes for them all;
+        any other goes through `add`.
         """
-        ids, layout_ids, first = self.ids, self._layout_ids, self._first
-        k_shard = _intern(shard, self._shards, self._shard_ids)
-        layout, k_layout, group, k_group = None, None, None, 0  # the last item's, as the next is usually alike
-        for item, (group_of, start, frames) in zip(items, segments, strict=True):
-            name, runs, rank = item.name, item.runs, item.rank
+        ids, fresh = self.ids, set()  # fresh: the names recorded by this call's columns (a name twice: `add`)
+        fast, slow = [], []
+        layout, k_layout = None, 0  # the last item's: the next is usually alike
+        for item, seg in zip(items, segments, strict=True):
             if item.layout is not layout:
-                layout, k_layout = item.layout, layout_ids.get(item.layout)
-            if name in ids or runs is None or k_layout is None or type(rank) is not int:
-                segment = {"shard": shard, "group": group_of, "start": start, "frames": frames}
-                self.add(name, item.layout, segment, item.idx, runs, rank)
-                layout = None  # the layout may be new: look again
-                continue
-            if group_of != group:
-                group, k_group = group_of, _intern(group_of, self._groups, self._group_ids)
-            s = len(self._seg_start)
-            ids[name] = len(first)
-            first.append(s)
-            self._layout.append(k_layout)
-            self._lo.append(runs[0])
-            self._hi.append(runs[1])
-            self._count.append(frames)
-            self._seg_shard.append(k_shard)
-            self._seg_group.append(k_group)
-            self._seg_start.append(start)
-            self._seg_frames.append(frames)
-            self._seg_rows.append(len(self._rank_rows))
-            self._seg_rank.append(rank)
+                layout, k_layout = item.layout, self._intern_layout(item.layout)
+            new = item.runs is not None and type(item.rank) is int and item.name not in ids and item.name not in fresh
+            if new:
+                fresh.add(item.name)
+            (fast if new else slow).append((item, seg, k_layout))
+        if fast:
+            self._add_new(shard, fast)
+        for item, (group, start, frames), _ in slow:
+            segment = {"shard": shard, "group": group, "start": start, "frames": frames}
+            self.add(item.name, item.layout, segment, item.idx, item.runs, item.rank)
+
+    def _add_new(self, shard: str, rows: list[tuple]) -> None:
+        """Filenames seen for the first time, one segment each: ``(item, (group, start, frames), layout number)``."""
+        n, s, k = len(self._first), len(self._seg_start), len(rows)
+        self.ids.update(zip([item.name for item, _, _ in rows], range(n, n + k), strict=True))
+        self._first.extend(range(s, s + k))
+        self._layout.extend([lay for _, _, lay in rows])
+        self._lo.extend([item.runs[0] for item, _, _ in rows])
+        self._hi.extend([item.runs[1] for item, _, _ in rows])
+        frames = [seg[2] for _, seg, _ in rows]
+        self._count.extend(frames)
+        self._seg_frames.extend(frames)
+        self._seg_start.extend([seg[1] for _, seg, _ in rows])
+        groups = {g: _intern(g, self._groups, self._group_ids) for g in {seg[0] for _, seg, _ in rows}}
+        self._seg_group.extend([groups[seg[0]] for _, seg, _ in rows])
+        self._seg_shard.extend([_intern(shard, self._shards, self._shard_ids)] * k)
+        self._seg_rows.extend([len(self._rank_rows)] * k)
+        self._seg_rank.extend([item.rank for item, _, _ in rows])
 
     def _file(self, name: str, layout: Layout, idx: torch.Tensor, runs: tuple | None) -> int:
         """Filename ``name``'s number, made for a new one; its frame_idx written and layout updated by ``idx``."""

@@ -178,8 +178,12 @@ def shard_tensors(shard: list) -> tuple[dict, list, list]:
     A segment is ``(group, start, frames)``, in the order of ``shard``.
     """
     by_layout: dict[Layout, list[int]] = {}  # each layout's items, by their place in the shard
+    layout, places = None, []  # the last item's (the next is usually alike: no hash a filename)
     for k, item in enumerate(shard):
-        by_layout.setdefault(item.layout, []).append(k)
+        if item.layout is not layout:
+            layout = item.layout
+            places = by_layout.setdefault(layout, [])
+        places.append(k)
     groups, entries, segments = {}, [], [None] * len(shard)
     for g, (layout, places) in enumerate(by_layout.items()):
         key = f"g{g}"
