@@ -47,6 +47,11 @@ def test_large_contiguous_frames_are_held_as_given_and_small_ones_stacked():
     assert big_layout.leaves[0].shape == (ROW_ALONE // 4,)
     assert [c.tensors[0].data_ptr() for c in big_chunks] == [t.data_ptr() for t in big]  # no copy
     assert len(small_chunks) == 1 and small_chunks[0].tensors[0].shape == (10, 8)  # one stack
+    batch = torch.zeros(8, ROW_ALONE // 4)  # rows of a batch: views of a storage 8 times larger, compacted
+    views = FrameStore(copy=False)
+    views.update({"view.mp4": list(enumerate(batch))})
+    ((_, chunks),) = views.groups()
+    assert len(chunks) == 8 and all(c.tensors[0].untyped_storage().nbytes() == ROW_ALONE for c in chunks)
     copied = FrameStore()  # copy=True: the store must not hold the caller's tensors
     copied.update({"big.mp4": list(enumerate(big))})
     assert all(c.tensors[0].data_ptr() != big[0].data_ptr() for _, chunks in copied.groups() for c in chunks)

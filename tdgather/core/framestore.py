@@ -30,6 +30,10 @@ What the store keeps of a batch given to `FrameStore.add`:
   reuse their output buffers, and ``inference_mode`` tensors carry no version counter
   that could tell; with ``copy=False`` they are kept by reference, and the caller must
   not modify them until they are sent;
+- ``update``'s frames (a dict's, one tensor each) are stacked into a batch per layout, which is
+  their copy; but a store that keeps references (``copy=False``, as `as_store` makes for `gather`
+  of a dict, read during the call) holds each frame of at least `ROW_ALONE` bytes as it is, a
+  chunk of one row, so that the copy into the message or into rank dst's result is its only one;
 - either way, a view of a much larger storage (``out[:, :2]``) is compacted, so the
   store holds, and the memory budget counts, only the frames' own bytes (plus, uncounted,
   the unused rest of each layout's open block: under 4 MiB);
@@ -244,7 +248,7 @@ class FrameStore:
             self._claim(group, b.names)
             if not self.copy and b.how == "stack" and _referenced(b, group):  # each frame a chunk: no stack
                 group.pending += b.names
-                group.keep_rows(idx, b.leaves[0])
+                group.keep_rows(idx, [self._keep(t, False) for t in b.leaves[0]])
                 self.num_frames += len(b.names)
                 self.nbytes += len(b.names) * group.frame_nbytes
                 continue
@@ -434,8 +438,8 @@ def _referenced(b: Bucket, g: LayoutGroup) -> bool:
 
     Plain CPU tensors (one leaf, no JSON) of at least `ROW_ALONE` bytes a frame: then the copy into
     the message (or, rank dst's own, into the result) is the only one, where a stack would copy
-    every frame once more first. (A frame that is not contiguous, or has a conjugate or negative
-    bit, is copied alone.)
+    every frame once more first. (A view of a much larger storage, or a frame with a conjugate or
+    negative bit, is copied alone, as `FrameStore._keep` does.)
     """
     return g.frame_nbytes >= ROW_ALONE and len(b.leaves) == 1 and not b.json and all(t.is_cpu for t in b.leaves[0])
 

@@ -86,16 +86,10 @@ class LayoutGroup:
         self.chunks.append(tensors)
 
     def keep_rows(self, idx: torch.Tensor, frames: list[torch.Tensor]) -> None:
-        """Add frames (CPU tensors of this layout's one leaf) as chunks of one row each, as they are.
-
-        Only a frame that is not contiguous, or has a conjugate or negative bit, is copied (its values).
-        """
+        """Add frames (tensors of this layout's one leaf, as the store keeps them) as chunks of one row each."""
         self.seal()
         self.idx += idx.split(1)
-        self.chunks += [
-            [(t if t.is_contiguous() and unflagged(t) else t.resolve_conj().resolve_neg().contiguous()).unsqueeze(0)]
-            for t in frames
-        ]
+        self.chunks += [[t.unsqueeze(0)] for t in frames]
 
     def seal(self) -> None:
         """End the open block's chunk here (later batches start a new one)."""
