@@ -60,9 +60,14 @@ STAGES = {  # module: names (a "Class.method" is wrapped on its class)
     "tdgather.comm.shm": ["ShmWriter.write", "ShmWriter._handed_back", "_hand_back", "_fill"],
     "tdgather.core.scatter": ["joined_chunks", "scatter_chunks"],
     "tdgather.comm.direct": ["ResultMemory.arena", "Target.write", "Target.open"],
-    "tdgather.storage.writer": ["DatasetWriter._write_shard", "DatasetWriter.write", "DatasetWriter.commit"],
+    "tdgather.storage.writer": [
+        "DatasetWriter._write_shard",
+        "DatasetWriter.write",
+        "DatasetWriter.combine",
+        "DatasetWriter.commit",
+    ],
     "tdgather.storage.shards": ["items_of", "fill", "shard_tensors"],
-    "tdgather.storage.catalog": ["Catalog.add_shard", "Catalog.json_chunks"],
+    "tdgather.storage.catalog": ["Catalog.add_shard", "Catalog.load", "Catalog.json_chunks"],
     "os": ["fsync"],
 }
 _EVENTS: list[tuple[str, float, float]] = []

@@ -110,3 +110,39 @@ def test_a_shard_recorded_in_one_pass_is_what_one_add_an_item_records():
         assert torch.equal(by_pass.written(name), by_add.written(name)) and by_pass.ranks(name) == by_add.ranks(name)
     assert by_pass.files()["b.mp4"]["frames"] == 4 and by_pass.ranks("d.mp4") == [0, 1]
     assert by_pass.num_files() == 7 and by_pass.max_frames() == 4
+
+
+def test_what_earlier_attempts_saved_loads_as_listed():
+    fixed = tdgather.gather({"a": [(0, torch.zeros(2))]}).groups[0].layout
+    other = tdgather.gather({"a": [(0, torch.zeros(3))]}).groups[0].layout
+
+    def seg(shard: str, start: int, frames: int, group: str = "g0") -> dict:
+        return {"shard": shard, "group": group, "start": start, "frames": frames}
+
+    files = {  # one segment and one run (taken by columns); no runs recorded; several runs; several segments
+        "a.mp4": {"segments": [seg("s0", 0, 2)]},
+        "b.mp4": {"segments": [seg("s1", 4, 1, "g1")]},
+        "c.mp4": {"segments": [seg("s0", 2, 3)]},
+        "d.mp4": {"segments": [seg("s0", 5, 1), seg("s1", 0, 2)]},
+        "held.mp4": {"segments": [seg("s2", 0, 1)]},
+    }
+    layouts = {"a.mp4": fixed, "b.mp4": other, "c.mp4": fixed, "d.mp4": fixed, "held.mp4": fixed}
+    written = {
+        "a.mp4": torch.tensor([[0, 1]]),
+        "c.mp4": torch.tensor([[0, 0], [4, 5]]),
+        "d.mp4": torch.tensor([[0, 2]]),
+        "held.mp4": torch.tensor([[7, 7]]),
+    }
+    cat = Catalog()
+    cat.add("held.mp4", fixed, seg("s9", 0, 1), torch.tensor([3]), (3, 3), 0)  # already in this catalog
+    cat.load(files, layouts, written)
+    want = {
+        name: {"frames": sum(s["frames"] for s in e["segments"]), "segments": e["segments"]}
+        for name, e in files.items()
+    }
+    want["held.mp4"] = {"frames": 2, "segments": [seg("s9", 0, 1), seg("s2", 0, 1)]}
+    assert "".join(cat.json_chunks()) == json.dumps(dict(sorted(want.items())), ensure_ascii=False)
+    assert cat.written("a.mp4").tolist() == [[0, 1]] and cat.written("c.mp4").tolist() == [[0, 0], [4, 5]]
+    assert cat.written("b.mp4").tolist() == [[0, -1]]  # no runs recorded
+    assert cat.layout("b.mp4") == other and cat.layout("a.mp4") == fixed and cat.ranks("a.mp4") == []
+    assert cat.ranks("held.mp4") == [0] and cat.num_files() == 5 and cat.max_frames() == 3

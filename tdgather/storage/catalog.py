@@ -137,21 +137,49 @@ class Catalog:
 
     def _add_new(self, shard: str, rows: list[tuple]) -> None:
         """Filenames seen for the first time, one segment each: ``(item, (group, start, frames), layout number)``."""
-        n, s, k = len(self._first), len(self._seg_start), len(rows)
-        self.ids.update(zip([item.name for item, _, _ in rows], range(n, n + k), strict=True))
+        segs = [seg for _, seg, _ in rows]
+        self._append_new(
+            [item.name for item, _, _ in rows],
+            [lay for _, _, lay in rows],
+            [item.runs for item, _, _ in rows],
+            [_intern(shard, self._shards, self._shard_ids)] * len(rows),
+            self._interned([seg[0] for seg in segs], self._groups, self._group_ids),
+            [seg[1] for seg in segs],
+            [seg[2] for seg in segs],
+            [item.rank for item, _, _ in rows],
+        )
+
+    def _append_new(
+        self,
+        names: list[str],
+        layouts: list[int],
+        runs: list[tuple[int, int]],
+        shards: list[int],
+        groups: list[int],
+        starts: list[int],
+        frames: list[int],
+        ranks: list[int],
+    ) -> None:
+        """New filenames, one segment each, column by column: what `add` records for each, in a few list passes."""
+        n, s, k = len(self._first), len(self._seg_start), len(names)
+        self.ids.update(zip(names, range(n, n + k), strict=True))
         self._first.extend(range(s, s + k))
-        self._layout.extend([lay for _, _, lay in rows])
-        self._lo.extend([item.runs[0] for item, _, _ in rows])
-        self._hi.extend([item.runs[1] for item, _, _ in rows])
-        frames = [seg[2] for _, seg, _ in rows]
+        self._layout.extend(layouts)
+        self._lo.extend([r[0] for r in runs])
+        self._hi.extend([r[1] for r in runs])
         self._count.extend(frames)
         self._seg_frames.extend(frames)
-        self._seg_start.extend([seg[1] for _, seg, _ in rows])
-        groups = {g: _intern(g, self._groups, self._group_ids) for g in {seg[0] for _, seg, _ in rows}}
-        self._seg_group.extend([groups[seg[0]] for _, seg, _ in rows])
-        self._seg_shard.extend([_intern(shard, self._shards, self._shard_ids)] * k)
+        self._seg_start.extend(starts)
+        self._seg_group.extend(groups)
+        self._seg_shard.extend(shards)
         self._seg_rows.extend([len(self._rank_rows)] * k)
-        self._seg_rank.extend([item.rank for item, _, _ in rows])
+        self._seg_rank.extend(ranks)
+
+    @staticmethod
+    def _interned(values: list, table: list, ids: dict) -> list[int]:
+        """Each of ``values``' numbers in ``table`` (added where new), one lookup per distinct value."""
+        known = {v: _intern(v, table, ids) for v in set(values)}
+        return [known[v] for v in values]
 
     def _file(self, name: str, layout: Layout, idx: torch.Tensor, runs: tuple | None) -> int:
         """Filename ``name``'s number, made for a new one; its frame_idx written and layout updated by ``idx``."""
@@ -208,9 +236,31 @@ class Catalog:
     def load(
         self, files: Mapping[str, dict], layouts: Mapping[str, Layout], written: Mapping[str, torch.Tensor]
     ) -> None:
-        """Take what earlier attempts saved (`tdgather.storage.runstate.RunState`'s files, layouts and runs)."""
+        """Take what earlier attempts saved (`tdgather.storage.runstate.RunState`'s files, layouts and runs).
+
+        A filename new here with one segment and one run of frames (the usual case) is taken column by
+        column (`_append_new`); any other one segment at a time.
+        """
+        fresh, rest = [], []
         for name, entry in files.items():
-            runs = written.get(name)
+            runs, segs = written.get(name), entry["segments"]
+            one = name not in self.ids and len(segs) == 1 and (runs is None or runs.shape[0] == 1)
+            (fresh if one else rest).append(name)
+        if fresh:
+            segs = [files[name]["segments"][0] for name in fresh]
+            spans = [written.get(name) for name in fresh]
+            self._append_new(
+                fresh,
+                self._interned([layouts[name] for name in fresh], self._layouts, self._layout_ids),
+                [(0, -1) if r is None else tuple(r.tolist()[0]) for r in spans],
+                self._interned([seg["shard"] for seg in segs], self._shards, self._shard_ids),
+                self._interned([seg["group"] for seg in segs], self._groups, self._group_ids),
+                [seg["start"] for seg in segs],
+                [seg["frames"] for seg in segs],
+                [UNKNOWN] * len(fresh),
+            )
+        for name in rest:
+            entry, runs = files[name], written.get(name)
             for seg in entry["segments"]:
                 i = self.ids.get(name)
                 if i is None:
