@@ -177,9 +177,16 @@ class Catalog:
 
     @staticmethod
     def _interned(values: list, table: list, ids: dict) -> list[int]:
-        """Each of ``values``' numbers in ``table`` (added where new), one lookup per distinct value."""
-        known = {v: _intern(v, table, ids) for v in set(values)}
-        return [known[v] for v in values]
+        """Each of ``values``' numbers in ``table`` (added where new): a lookup where a value is not the one before.
+
+        (Neighbours are usually one object: a layout is then not hashed again.)
+        """
+        out, last, k = [], None, -1
+        for v in values:
+            if v is not last:
+                last, k = v, _intern(v, table, ids)
+            out.append(k)
+        return out
 
     def _file(self, name: str, layout: Layout, idx: torch.Tensor, runs: tuple | None) -> int:
         """Filename ``name``'s number, made for a new one; its frame_idx written and layout updated by ``idx``."""
