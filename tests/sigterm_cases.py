@@ -23,9 +23,15 @@ def case_sigterm(out: str, mode: str) -> dict:
     if mode == "user":
         signal.signal(signal.SIGTERM, users_handler)
     result: dict = {}
-    try:
+    added = Path(f"{out}.added")  # rank 1 holds its frames: rank 0 is stopped only then (else rank 1's add
+    try:  # may meet rank 0's failure first, and it has nothing to keep)
         with tdgather.Collector(out, timeout=60, progress=False) as col:
             col.add([f"r{rank}_{i}.jpg" for i in range(20)], [0] * 20, torch.rand(20, 4))
+            if rank:
+                added.touch()
+            deadline = time.monotonic() + 60
+            while not rank and not added.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
             if rank == 0:
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(1)  # the handler runs in this thread at once
