@@ -37,6 +37,7 @@ from tdgather.storage.location import local_path, store_at
 from tdgather.storage.store import LocalStore, Store
 from tdgather.storage.writer import DatasetWriter
 
+from . import append_cases
 from .append_cases import value
 
 JOBS = 16
@@ -64,11 +65,7 @@ def frames_of(job: int) -> list[tuple[str, int]]:
 
 def expected(jobs: range | list[int]) -> dict[str, set[int]]:
     """Every frame the jobs send, once."""
-    out: dict[str, set[int]] = {}
-    for job in jobs:
-        for name, idxs in share(job).items():
-            out.setdefault(name, set()).update(idxs)
-    return out
+    return append_cases.expected(jobs, share)
 
 
 def sent(job: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,11 +31,11 @@ def share(job: int) -> dict[str, list[int]]:
     return {a: list(range(2 * job, 2 * job + 6)), b: list(range(job, job + 6)), f"own_{job}.mp4": [0, 1]}
 
 
-def expected(jobs: range | list[int]) -> dict[str, set[int]]:
-    """Every frame the jobs send, once."""
+def expected(jobs: range | list[int], share_of: Callable[[int], dict[str, list[int]]] = share) -> dict[str, set[int]]:
+    """Every frame the jobs send (each job's frames as ``share_of`` gives them), once."""
     out: dict[str, set[int]] = {}
     for job in jobs:
-        for name, frames in share(job).items():
+        for name, frames in share_of(job).items():
             out.setdefault(name, set()).update(frames)
     return out
 

@@ -76,6 +76,13 @@ class Item(NamedTuple):
         g, lo, hi = self.source
         return [t[lo:hi] for t in g.leaves]
 
+    def leaf(self, j: int) -> Any:
+        """Tensor leaf ``j``'s rows alone (`tensors`' ``j``, without slicing the others)."""
+        if self.source is None:
+            return self.own[1][j]
+        g, lo, hi = self.source
+        return g.leaves[j][lo:hi]
+
     @property
     def json(self) -> list[list]:
         """Its JSON leaves' values, one list per leaf."""
@@ -199,7 +206,7 @@ def shard_tensors(shard: list) -> tuple[dict, list, list]:
         entries.append((names.frame_idx, torch.int64, (row,), _pieces(items, runs, lambda g: g.frame_idx, None)))
         for j, (name, leaf) in enumerate(zip(names.leaves, layout.leaves, strict=True)):
             if leaf.ragged:
-                column = [x.tensors[j] for x in items]  # values, then offsets: frame i is offsets[i] : offsets[i + 1]
+                column = [x.leaf(j) for x in items]  # values, then offsets: frame i is offsets[i] : offsets[i + 1]
                 spans = [r.span() for r in joined(column)]
                 offsets = offsets_of(torch.cat([n for _, n in spans]))
                 values = [v for v, _ in spans]
@@ -208,10 +215,9 @@ def shard_tensors(shard: list) -> tuple[dict, list, list]:
             else:
                 column = _pieces(items, runs, lambda g, j=j: g.leaves[j], j)
                 entries.append((name, leaf.dtype, (row, *leaf.shape), column))
+        values = [x.json for x in items] if names.json else []  # each item's JSON leaves, sliced once
         for j, name in enumerate(names.json):
-            lines = [
-                json.dumps(v, ensure_ascii=False, allow_nan=False).encode() + b"\n" for x in items for v in x.json[j]
-            ]
+            lines = [json.dumps(v, ensure_ascii=False, allow_nan=False).encode() + b"\n" for x in values for v in x[j]]
             offsets = torch.tensor([0, *map(len, lines)], dtype=torch.int64).cumsum(0)
             blob = torch.frombuffer(bytearray(b"".join(lines)), dtype=torch.uint8)
             entries.append((name, torch.uint8, (blob.numel(),), [blob]))
@@ -247,7 +253,7 @@ def _pieces(items: list[Item], runs: list[tuple[int, int]], buffer: Any, j: int 
             g, lo = items[a].source[0], items[a].source[1]
             out.append(buffer(g)[lo : items[b - 1].source[2]])
         else:
-            out.append(items[a].idx if j is None else items[a].tensors[j])
+            out.append(items[a].idx if j is None else items[a].leaf(j))
     return out
 
 
