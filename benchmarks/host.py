@@ -16,6 +16,8 @@ senders' bytes. Methods:
 - ``collector_shm``, ``collector_gloo``: `tdgather.Collector` to ``--dir`` (frames of 1 MiB in
   batches of 32, each batch a tensor of its own as a model's output is, made before the timing; the
   default budget), through shared memory segments and with ``TDGATHER_SHM=0``: open to close on rank 0;
+- ``collector_shm_1thread``, ``collector_shm_2threads``, ``collector_shm_4threads``: ``collector_shm``
+  with ``write_threads`` 1, 2 and 4 (the default is a quarter of the cores, 1 to 4: 1 on 2 cores);
 - ``collector_writers``: the same with ``ranks_per_writer=1``: every rank writes its own shards into
   the one dataset, rank 0 only lists them at close (what ``disk`` does, plus the index);
 - ``collector_shm_nocopy``, ``collector_writers_nocopy``: ``collector_shm`` and ``collector_writers``
@@ -108,14 +110,17 @@ def disk(ctx: dict) -> None:
     _wait_all(world)
 
 
-def collector(ctx: dict, shared: bool, ranks_per_writer: int | None = None, copy: bool = True) -> None:
+def collector(
+    ctx: dict, shared: bool, ranks_per_writer: int | None = None, copy: bool = True, threads: int | None = None
+) -> None:
     rank = dist.get_rank()
     os.environ["TDGATHER_SHM"] = "1" if shared else "0"
     ctx["calls"] = ctx.get("calls", 0) + 1
     path = os.path.join(ctx["dir"], f"col-{ctx['calls']}")
     if "batches" not in ctx:  # a model's outputs: a new tensor a batch, made before the timing
         ctx["batches"] = [b.clone() for b in ctx["data"].view(-1, FRAME).split(32)] if rank else []
-    with tdgather.Collector(path, progress=False, timeout=600, ranks_per_writer=ranks_per_writer, copy=copy) as col:
+    kw = {"ranks_per_writer": ranks_per_writer, "copy": copy, "write_threads": threads}
+    with tdgather.Collector(path, progress=False, timeout=600, **kw) as col:
         lo = 0
         for batch in ctx["batches"]:
             col.add(f"r{rank}.bin", torch.arange(lo, lo + batch.shape[0]), batch)
@@ -142,6 +147,9 @@ METHODS = {
     "shm_map": lambda c: shm(c, False),
     "disk": disk,
     "collector_shm": lambda c: collector(c, True),
+    "collector_shm_1thread": lambda c: collector(c, True, threads=1),
+    "collector_shm_2threads": lambda c: collector(c, True, threads=2),
+    "collector_shm_4threads": lambda c: collector(c, True, threads=4),
     "collector_gloo": lambda c: collector(c, False),
     "collector_writers": lambda c: collector(c, False, ranks_per_writer=1),
     "collector_shm_nocopy": lambda c: collector(c, True, copy=False),

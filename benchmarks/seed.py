@@ -18,6 +18,8 @@ high-water marks are their own):
 
 - ``loop``: the inference loop alone, outputs dropped (the baseline);
 - ``collector``: a `tdgather.Collector` fed each batch in the loop, writing the dataset on rank 0;
+- ``collector_1thread``: the same with ``write_threads=1`` (by default rank 0 writes as many shards
+  at once as a quarter of its cores, 1 to 4: 1 on 2 cores);
 - ``gather_save``: a `tdgather.FrameStore` fed in the loop, then `tdgather.gather` and `tdgather.save`;
 - ``gather_object``: the outputs kept as they come (CUDA tensors on a GPU), then
   ``torch.distributed.gather_object`` to rank 0 (pickled; unpickled onto the GPUs they came from);
@@ -64,7 +66,7 @@ from .report import machine
 
 __all__ = ["METHODS", "SegNet", "VideoFrames", "main"]
 
-METHODS = ["loop", "collector", "gather_save", "gather_object", "cpu_gather_object", "torch_save"]
+METHODS = ["loop", "collector", "collector_1thread", "gather_save", "gather_object", "cpu_gather_object", "torch_save"]
 QUICK = {"videos": 3, "frames": 5, "size": 16, "batch": 4, "repeats": 1, "rounds": 1}
 MIB = 1 << 20
 
@@ -118,8 +120,8 @@ def run_loop(job: dict, out: str) -> Any:
     return None
 
 
-def run_collector(job: dict, out: str) -> Any:
-    with tdgather.Collector(out, timeout=job["timeout"], progress=False) as col:
+def run_collector(job: dict, out: str, write_threads: int | None = None) -> Any:
+    with tdgather.Collector(out, timeout=job["timeout"], progress=False, write_threads=write_threads) as col:
         _loop(job, col.add)
     return None
 
@@ -162,6 +164,7 @@ def run_torch_save(job: dict, out: str) -> Any:
 RUN = {
     "loop": run_loop,
     "collector": run_collector,
+    "collector_1thread": lambda job, out: run_collector(job, out, write_threads=1),
     "gather_save": run_gather_save,
     "gather_object": run_gather_object,
     "cpu_gather_object": run_cpu_gather_object,
@@ -180,7 +183,7 @@ def _frames_made(method: str, job: dict, result: Any, out: str) -> int | None:
     if rank != 0:
         return None
     keys: set = set()
-    if method in ("collector", "gather_save"):
+    if method in ("collector", "collector_1thread", "gather_save"):
         ds = tdgather.open(out)
         for name in ds:
             f = ds[name]

@@ -54,7 +54,7 @@ from .choreography import Rank, abort_rank, close_rank, open_rank
 from .liveness import Progress, Watchdog
 from .reporting import visible
 from .roles import role
-from .settings import CollectorStatus, CollectorSummary, Settings
+from .settings import CollectorStatus, CollectorSummary, Settings, default_write_threads
 from .terminate import SigtermAsExit
 
 __all__ = ["Collector", "CollectorStatus", "CollectorSummary"]
@@ -126,6 +126,10 @@ class Collector:
             writer must see (a shared filesystem), or straight to the object store at ``path`` (a
             URL: nothing shared is needed); at close rank ``dst`` (a writer: a multiple of
             this) writes one index over all of them. See `tdgather.storage.combine`.
+        write_threads: shards rank ``dst`` (and each writer) writes at once, each on a thread of its
+            own, for a disk that takes more than one core can write. Default: a quarter of this
+            process's cores, from 1 to 4, for a local path; 1 for an object store URL. Each shard
+            being written holds its share of ``memory_budget``, so shards get smaller as it grows.
         sink: makes the `tdgather.storage.sink.Sink` that writes, on rank dst and on each writer; it
             is called with `tdgather.storage.writer.DatasetWriter`'s keywords. Default: that class, on
             the local filesystem. Tests pass one that counts, slows or fails a step.
@@ -156,6 +160,7 @@ class Collector:
         ragged: bool | None = None,
         commit_every: float = 300.0,
         append: bool = False,
+        write_threads: int | None = None,
     ) -> None:
         for name, value, low in (("memory_budget", memory_budget, 1), ("max_pending", max_pending, 1)):
             if not isinstance(value, int) or value < low:
@@ -182,6 +187,9 @@ class Collector:
         self.log_summary = log_summary if log_summary is not None else progress is not False
         self.commit_every = float(commit_every)
         self.duplicates, self.copy = DuplicatePolicy.of(duplicates), copy
+        if write_threads is not None and (type(write_threads) is not int or write_threads < 1):
+            raise ValueError(f"write_threads: expected None or an integer >= 1, got {write_threads!r}")
+        self.write_threads = write_threads
         if ranks_per_writer is not None and (type(ranks_per_writer) is not int or ranks_per_writer < 1):
             raise ValueError(f"ranks_per_writer: expected None or an integer >= 1, got {ranks_per_writer!r}")
         self.ranks_per_writer = ranks_per_writer
@@ -233,6 +241,7 @@ class Collector:
             storage_options=self.storage_options,
             fixed=self.fixed,
             commit_every=self.commit_every,
+            write_threads=self.write_threads or default_write_threads(self.path),
         )
         self._progress = Progress()
         if distributed:  # 2.

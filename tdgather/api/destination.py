@@ -144,6 +144,7 @@ class Destination:
             **({"storage_options": col.storage_options} if col.storage_options else {}),
             **({"fixed": True} if col.fixed else {}),
             **({"append": True} if col.append else {}),
+            **({"write_threads": col.write_threads} if col.write_threads > 1 else {}),
             **resume,
         )
 

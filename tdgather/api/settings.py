@@ -11,6 +11,7 @@ with chunks, however small the budget.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ __all__ = [
     "Settings",
     "Spill",
     "bookkeeping_bytes",
+    "default_write_threads",
 ]
 
 # What merging a buffer costs per frame beyond its bytes (sort keys, permutations, masks, int64
@@ -89,6 +91,7 @@ class Settings:
     fixed: bool = False  # ragged=False: every leaf fixed, a first dim that changes refused (else made ragged)
     commit_every: float = 300.0  # seconds: rank dst writes what it holds at least this often
     append: bool = False  # the job's frames added to the dataset as its next snapshot (`tdgather.storage.append`)
+    write_threads: int = 1  # shards a writer writes at once (`tdgather.storage.writer.DatasetWriter`)
 
     @property
     def flush_every(self) -> float:
@@ -102,8 +105,8 @@ class Settings:
 
     @property
     def spill_bytes(self) -> int:
-        """Bytes rank dst buffers before it writes them."""
-        return max(self.chunk_bytes, (self.memory_budget - self.upload_bytes) * 35 // 100)
+        """Bytes rank dst buffers before it writes them: shards being written hold theirs too, so a share of each."""
+        return max(self.chunk_bytes, (self.memory_budget - self.upload_bytes) * 35 // 100 // self.write_threads)
 
     @property
     def write_files_bytes(self) -> int:
@@ -271,3 +274,15 @@ def bookkeeping_bytes(parts: list, frames: int) -> int:
     values = sum(p.value_rows for p in parts)
     files = sum(len(p.files) for p in parts)
     return _MERGE_BYTES_PER_FRAME * frames + _MERGE_BYTES_PER_VALUE_ROW * values + _SPILL_BYTES_PER_FILE * files
+
+
+def default_write_threads(path: Path | str) -> int:
+    """Shards a writer writes at once by default: a quarter of this process's cores, from 1 to 4; 1 for a URL.
+
+    Each is written on a thread of its own; on a machine of few cores the one thread is best, as
+    the senders' copies want the rest.
+    """
+    if is_url(path):
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cores // 4))

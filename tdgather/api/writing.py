@@ -106,8 +106,19 @@ class WriteLoop:
             self._spill(spill, write=True)
 
     def _merge(self, spill: Spill, write: bool) -> Spill:
-        """`_spill`, then its buffers go back to the pool (merged or written: they take the next chunks)."""
+        """`_spill`, then its buffers go back to the pool (merged or written: they take the next chunks).
+
+        A sink that writes shards on threads of its own (``wait_written``: `DatasetWriter` with
+        ``write_threads``) is waited for first, so no buffer is reused while a shard is written from it.
+        """
         self._spill(spill, write)
+        wait_written = getattr(self.sink, "wait_written", None)
+        if spill.buffers and wait_written is not None:
+            try:
+                wait_written()
+            except BaseException as e:
+                self.write_failed = True
+                self.failure.fail(e)
         self.pool.give(spill.buffers)
         return Spill()
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,10 @@ class DatasetWriter:
     1. ``DatasetWriter(path, ...)`` checks the output (`output_at`: a local directory, staged in
        ``<path>.partial``, or an object store URL with ``storage_options``);
     2. ``write(frames)`` any number of times: each call writes one or more shards (their fsync and
-       rename into place run on a background thread, overlapping what comes next). A filename
+       rename into place run on a background thread, overlapping what comes next; with
+       ``write_threads`` > 1, that many shards are written at once, each whole on a thread of its
+       own, and ``wait_written()`` waits for them, so the buffers they are written from may be
+       reused; a write that failed raises at the next ``write`` or at ``commit``). A filename
        may appear in several calls; its frames then form several segments, and a frame already
        written is compared with its copy on disk and resolved by the duplicates policy (the
        copy on disk stays; the new one is dropped and counted, or refused). Its segments may
@@ -103,6 +106,7 @@ class DatasetWriter:
         fixed: bool = False,
         append: bool = False,
         output: Output | None = None,
+        write_threads: int = 1,
     ) -> None:
         # where the files go, and how they are committed (append: as a new snapshot, beside other jobs');
         # ``output``: an `Output` made by the caller (a compaction's, `tdgather.storage.compact`)
@@ -134,6 +138,11 @@ class DatasetWriter:
         self.duplicates = DuplicateCounts()  # copies dropped against frames already on disk
         self._syncer: ThreadPoolExecutor | None = None  # makes shards durable while the next is written
         self._syncing: list[tuple[str, Future]] = []
+        # write_threads > 1: that many shards are written at once, each on a thread of its own (written,
+        # fsynced, renamed); the caller gets on with the next while they are
+        self.write_threads = write_threads
+        self._putter: ThreadPoolExecutor | None = None
+        self._writing: list[tuple[str, Future]] = []  # shards handed to the write threads, in order
         self._failed: list[str] = []  # shards whose last step failed: never listed
         self._mine: list[str] = []  # the shards this attempt wrote
 
@@ -215,16 +224,62 @@ class DatasetWriter:
         record = [[item.name, *s] for item, s in zip(shard, segments, strict=True)]
         meta = ShardRecord(name_of_shard, groups, record, self.run, self.attempt).to_metadata()
         chunks = encode(entries, meta)
-        written = self.out.store.put(name_of_shard, chunks, then=self._in_background(name_of_shard))
+        entry = {"frames": sum(item.n for item in shard), "bytes": sum(item.nbytes for item in shard), "groups": groups}
+        if self.write_threads > 1:
+            self._room_to_write()
+            self._writing.append((name_of_shard, self._putter.submit(self.out.store.put, name_of_shard, chunks)))
+        else:
+            written = self.out.store.put(name_of_shard, chunks, then=self._in_background(name_of_shard))
+            entry.update(written.entry())  # size (and sha256), listed in the index
         self._mine.append(name_of_shard)
         self.catalog.add_shard(name_of_shard, shard, segments)
-        self.shards[name_of_shard] = {
-            "frames": sum(item.n for item in shard),
-            "bytes": sum(item.nbytes for item in shard),
-            "groups": groups,
-            **written.entry(),  # size (and sha256), listed in the index
-        }
+        self.shards[name_of_shard] = entry
         return name_of_shard
+
+    def _room_to_write(self) -> None:
+        """Wait until fewer than ``write_threads`` shards are being written; raise the first write that failed."""
+        if self._putter is None:
+            self._putter = ThreadPoolExecutor(self.write_threads, thread_name_prefix="tdgather-write")
+        busy = [future for _, future in self._writing if not future.done()]
+        if len(busy) >= self.write_threads:
+            wait(busy, return_when=FIRST_COMPLETED)
+        error = self._take_written(block=False)
+        if error is not None:
+            raise error
+
+    def wait_written(self) -> None:
+        """Wait until every shard handed to a write thread is written (its buffers may then be reused).
+
+        Raises:
+            OutputError: the first write that failed (that shard is not listed).
+        """
+        error = self._take_written(block=True)
+        if error is not None:
+            raise error
+
+    def _take_written(self, block: bool) -> BaseException | None:
+        """The shards written on the write threads (all of them, waited for, with ``block``); the first failure.
+
+        A shard written is listed with its size and checksum; one whose write failed is not listed.
+        """
+        first, still, failed = None, [], set()
+        for name, future in self._writing:
+            if not (block or future.done()):
+                still.append((name, future))
+                continue
+            error = future.exception()
+            if error is None:
+                self.shards[name].update(future.result().entry())
+            else:
+                failed.add(name)
+                first = first or error
+        self._writing = still
+        if failed:
+            self._failed += sorted(failed)
+            for name in failed:
+                self.shards.pop(name, None)
+            self.catalog.drop_shards(failed)
+        return first
 
     def _drop_written(self, items: list[Item], mismatches: Mismatches | None) -> list[Item]:
         """Resolve frames already on disk by the policy: the disk copy stays, the new one goes.
@@ -343,7 +398,10 @@ class DatasetWriter:
         Raises:
             OutputError: the first failure, with ``raise_first``.
         """
-        first = None
+        first = self._take_written(block=True)
+        if self._putter is not None:
+            self._putter.shutdown()
+            self._putter = None
         for name, future in self._syncing:
             error = future.exception()
             if error is not None:
