@@ -19,7 +19,7 @@ import tdgather
 from tdgather.errors import OutputError
 from tdgather.storage.atomic import LocalFS
 from tdgather.storage.writer import DatasetWriter
-from tdgather.tools.launch import run_local_world
+from tdgather.tools.launch import WorldError, run_local_world
 
 from . import write_threads_cases as wc
 
@@ -61,6 +61,19 @@ def test_threads_write_the_dataset_one_thread_writes(tmp_path):
             assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())  # noqa: SIM118
     ds = tdgather.open(tmp_path / "t3")
     assert len(ds) == 60 and torch.equal(ds["v042.mp4"].frames[2], torch.full((1024,), 422.0))
+
+
+def test_threads_upload_to_an_object_store_what_they_write_locally(tmp_path, s3, url):
+    w = DatasetWriter(url, storage_options=s3, write_threads=3, max_shard_bytes=40 << 10)
+    for lo in range(0, 60, 20):
+        w.write(tdgather.gather(preds(lo, lo + 20)))
+    w.commit()
+    write(tmp_path / "t1", 1).commit()
+    a, b = tdgather.open(url, storage_options=s3), tdgather.open(tmp_path / "t1")
+    assert sorted(a) == sorted(b) and len(b) == 60 and len(a.index["shards"]) == len(b.index["shards"])
+    for name in b:
+        assert torch.equal(a[name].frame_idx, b[name].frame_idx) and torch.equal(a[name].frames, b[name].frames)
+    assert all("sha256" in entry for entry in a.index["shards"].values())
 
 
 class FailsOneShard(LocalFS):
@@ -110,7 +123,30 @@ def test_a_collector_writing_on_threads_from_a_slow_disk_keeps_every_frame(tmp_p
         assert torch.equal(a[name].frames, b[name].frames), name
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+@pytest.mark.world
+def test_rank_dst_killed_while_threads_write_then_resumed_keeps_every_frame_once(tmp_path):
+    out = tmp_path / "ds"
+    with pytest.raises(WorldError) as e:
+        run_local_world(wc.case_threads, 3, str(out), 3, True, True, 5, timeout=180)
+    assert e.value.failures[0] == "exited with code -9 and no result", e.value.failures
+    partial = tmp_path / "ds.partial"
+    names = sorted(p.name for p in partial.iterdir())
+    assert any(".tmp-" in n for n in names)  # the shard it was killed writing, at least
+    saved = sum(1 for n in names if n.startswith("shard-"))
+    assert saved >= 3  # the shards written before it (and beside it, on the other threads)
+    got = run_local_world(wc.case_threads, 3, str(out), 3, True, False, 0, True, timeout=180)
+    want = run_local_world(wc.case_threads, 3, str(tmp_path / "one"), 1, True, False, timeout=180)
+    assert got[0]["frames"] == want[0]["frames"] == 3 * 480
+    a, b = tdgather.open(out), tdgather.open(tmp_path / "one")
+    assert sorted(a) == sorted(b) and not partial.exists()
+    for name in b:  # every frame once, bit for bit
+        assert torch.equal(a[name].frame_idx, b[name].frame_idx), name
+        assert torch.equal(a[name].frames, b[name].frames), name
+    first = a.metadata["attempts"][0]
+    assert first["failure"]["type"] == "Unrecorded" and first["frames"] > 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, 65, 1.5, True, "2"])
 def test_write_threads_must_be_a_count(tmp_path, bad):
-    with pytest.raises(ValueError, match=rf"write_threads: expected None or an integer >= 1, got {bad!r}"):
+    with pytest.raises(ValueError, match=rf"write_threads: expected None or an integer from 1 to 64, got {bad!r}"):
         tdgather.Collector(tmp_path / "ds", write_threads=bad)

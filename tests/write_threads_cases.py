@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import torch
@@ -36,12 +38,40 @@ def batches(rank: int, frames: int = 480, batch: int = 8):
         yield names, idx, torch.randn((batch, *FRAME), generator=g)
 
 
-def case_threads(out: str, threads: int, shm: bool, slow: bool) -> dict | None:
-    """Every rank's batches through a small budget (many spills, many shards); rank dst's summary."""
+class KillMidShard(SlowFS):
+    """SIGKILL this process while its ``count``-th shard is half written, the other write threads busy beside it."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.seen, self.lock, self.local = count, 0, threading.Lock(), threading.local()
+
+    def write_atomic(self, path, chunks, then=None):
+        self.local.name = path.name  # what write_all writes, on this thread
+        return super().write_atomic(path, chunks, then)
+
+    def write_all(self, fd, chunks):
+        if self.local.name.startswith("shard-"):
+            with self.lock:
+                self.seen += 1
+                mine = self.seen
+            if mine == self.count:
+                super().write_all(fd, list(chunks)[:1])  # half a file, under its temporary name
+                time.sleep(0.2)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().write_all(fd, chunks)
+
+
+def case_threads(out: str, threads: int, shm: bool, slow: bool, kill: int = 0, resume: bool = False) -> dict | None:
+    """Every rank's batches through a small budget (many spills, many shards); rank dst's summary.
+
+    ``kill``: rank dst is killed mid-way through its ``kill``-th shard; ``resume``: the run goes on
+    from what an attempt before saved, every frame sent again (copies of saved ones must be exact).
+    """
     os.environ["TDGATHER_SHM"] = "1" if shm else "0"
     rank = dist.get_rank()
-    sink = (lambda path, **kw: DatasetWriter(path, fs=SlowFS(), **kw)) if slow else None
+    fs = KillMidShard(kill) if kill and rank == 0 else SlowFS() if slow else None
+    sink = (lambda path, **kw: DatasetWriter(path, fs=fs, **kw)) if fs is not None else None
     kw = dict(timeout=60, progress=False, memory_budget=8 << 20, chunk_bytes=800 << 10, max_shard_bytes=1 << 20)
+    kw |= {"resume": True, "duplicates": "exact"} if resume else {}
     with tdgather.Collector(out, write_threads=threads, sink=sink, **kw) as col:
         for names, idx, x in batches(rank):
             col.add(names, idx, x)

@@ -128,8 +128,10 @@ class Collector:
             this) writes one index over all of them. See `tdgather.storage.combine`.
         write_threads: shards rank ``dst`` (and each writer) writes at once, each on a thread of its
             own, for a disk that takes more than one core can write. Default: a quarter of this
-            process's cores, from 1 to 4, for a local path; 1 for an object store URL. Each shard
-            being written holds its share of ``memory_budget``, so shards get smaller as it grows.
+            process's cores, from 1 to 4, for a local path; 1 for an object store URL; at most 64.
+            Each shard being written holds its share of ``memory_budget``, so shards get smaller as
+            it grows, down to one chunk (or one frame, where a frame is larger): with frames larger
+            than that share, rank ``dst`` may hold up to this many shards more than with one thread.
         sink: makes the `tdgather.storage.sink.Sink` that writes, on rank dst and on each writer; it
             is called with `tdgather.storage.writer.DatasetWriter`'s keywords. Default: that class, on
             the local filesystem. Tests pass one that counts, slows or fails a step.
@@ -187,8 +189,8 @@ class Collector:
         self.log_summary = log_summary if log_summary is not None else progress is not False
         self.commit_every = float(commit_every)
         self.duplicates, self.copy = DuplicatePolicy.of(duplicates), copy
-        if write_threads is not None and (type(write_threads) is not int or write_threads < 1):
-            raise ValueError(f"write_threads: expected None or an integer >= 1, got {write_threads!r}")
+        if write_threads is not None and (type(write_threads) is not int or not 1 <= write_threads <= 64):
+            raise ValueError(f"write_threads: expected None or an integer from 1 to 64, got {write_threads!r}")
         self.write_threads = write_threads
         if ranks_per_writer is not None and (type(ranks_per_writer) is not int or ranks_per_writer < 1):
             raise ValueError(f"ranks_per_writer: expected None or an integer >= 1, got {ranks_per_writer!r}")

@@ -100,8 +100,8 @@ class Settings:
 
     @property
     def upload_bytes(self) -> int:
-        """What an object store upload holds (its parts in flight, and the one being cut); 0 for a local path."""
-        return (PARTS_IN_FLIGHT + 1) * BLOCK_BYTES if is_url(self.path) else 0
+        """What object store uploads hold (each its parts in flight, and the one being cut); 0 for a local path."""
+        return (PARTS_IN_FLIGHT + 1) * BLOCK_BYTES * self.write_threads if is_url(self.path) else 0
 
     @property
     def spill_bytes(self) -> int:

@@ -59,6 +59,11 @@ def as_index(frame_idx: Any, where: str, names: Sequence[str] | None = None) -> 
         return frame_idx.to(dtype=torch.int64)
     if isinstance(frame_idx, str | bytes) or not isinstance(frame_idx, Sequence | Iterable):
         raise UnsupportedValueError(f"{where}: expected a sequence of {_INDEX_RULE}, got {type(frame_idx).__name__}")
+    if type(frame_idx) in (list, tuple) and set(map(type, frame_idx)) == {int}:  # plain ints: one C-level pass
+        try:
+            return torch.tensor(frame_idx, dtype=torch.int64)
+        except (OverflowError, RuntimeError, ValueError):  # one past int64: named below
+            pass
     values = []
     for k, i in enumerate(frame_idx):
         value = index_value(i)
