@@ -13,8 +13,10 @@ import torch
 from safetensors import safe_open
 
 import tdgather
+from tdgather.core.flatten import flatten
+from tdgather.format.limits import SHARD_HEADER_MAX, segment_record_bytes
 from tdgather.storage.catalog import Catalog
-from tdgather.storage.shards import Item
+from tdgather.storage.shards import Item, fill
 from tdgather.storage.writer import DatasetWriter
 
 
@@ -146,3 +148,33 @@ def test_what_earlier_attempts_saved_loads_as_listed():
     assert cat.written("b.mp4").tolist() == [[0, -1]]  # no runs recorded
     assert cat.layout("b.mp4") == other and cat.layout("a.mp4") == fixed and cat.ranks("a.mp4") == []
     assert cat.ranks("held.mp4") == [0] and cat.num_files() == 5 and cat.max_frames() == 3
+
+
+def _items(names: list[str], frames: int = 2) -> list[Item]:
+    layout = flatten(torch.zeros(frames, 3), frames, "x")[0]
+    idx = torch.arange(frames)
+    return [Item.of(name, layout, idx, [torch.zeros(frames, 3)], [], None, 0) for name in names]
+
+
+@pytest.mark.parametrize(
+    "names,max_bytes,count",
+    [
+        ([f"v{i:04d}.mp4" for i in range(50)], 1 << 30, 1),  # everything fits: one shard
+        ([f"v{i:04d}.mp4" for i in range(50)], 100, 25),  # cut by bytes: 40 an item (24 of frames, 16 of frame_idx)
+        ([f'v"{i}".mp4' for i in range(50)], 300, 8),  # names JSON escapes; 7 items a shard
+        ([f"{i:03d}" + "x" * 200_000 for i in range(400)], 1 << 30, 2),  # records of 200,051 bytes: 335 in 64 MiB
+    ],
+)
+def test_shards_are_cut_where_the_next_item_would_pass_a_limit(names, max_bytes, count):
+    items = _items(names)
+    shards = fill(items, max_bytes)
+    assert [item for shard in shards for item in shard] == items  # in order, each once
+    for k, shard in enumerate(shards):
+        size = sum(item.nbytes + 8 * item.n for item in shard)
+        header = sum(segment_record_bytes(item.name) for item in shard)
+        assert len(shard) == 1 or (size <= max_bytes and header <= SHARD_HEADER_MAX)
+        if k + 1 < len(shards):  # the next shard's first item would not have fit in this one
+            nxt = shards[k + 1][0]
+            over_bytes = size + nxt.nbytes + 8 * nxt.n > max_bytes
+            assert over_bytes or header + segment_record_bytes(nxt.name) > SHARD_HEADER_MAX
+    assert len(shards) == count

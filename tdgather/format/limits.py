@@ -7,9 +7,10 @@ a writer cuts a shard before those records reach `SHARD_HEADER_MAX`.
 
 from __future__ import annotations
 
-__all__ = ["SHARD_HEADER_MAX", "segment_record_bytes"]
+__all__ = ["RECORD_BYTES", "SHARD_HEADER_MAX", "segment_record_bytes"]
 
 SHARD_HEADER_MAX = 64 << 20  # the records' share; the rest of 100 MB is room for the tensor entries
+RECORD_BYTES = 48  # at most what a segment record adds beside its filename: its numbers, brackets, commas
 
 
 def segment_record_bytes(name: str) -> int:
@@ -22,5 +23,5 @@ def segment_record_bytes(name: str) -> int:
     (53, 69)
     """
     if name.isascii() and name.isprintable() and '"' not in name and "\\" not in name:
-        return len(name) + 48
-    return 7 * len(name.encode("utf-8")) + 48
+        return len(name) + RECORD_BYTES
+    return 7 * len(name.encode("utf-8")) + RECORD_BYTES

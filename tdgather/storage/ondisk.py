@@ -51,10 +51,10 @@ def drop_written(
     """
     out: list[Item | None] = list(items)
     hits: list[tuple[int, torch.Tensor]] = []  # (item, which of its frames are on disk)
-    for k, item in enumerate(items):
+    ids = catalog.ids
+    for k in [k for k, item in enumerate(items) if item.name in ids]:  # a new filename: nothing to look up
+        item = items[k]
         layout = catalog.layout(item.name)
-        if layout is None:
-            continue
         if layout != item.layout and (fixed or common_layout(layout, item.layout) is None):
             if mismatches is None:
                 raise _mismatch(catalog, item)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import torch
@@ -32,7 +33,7 @@ import torch
 from ..core.flatten import flatten
 from ..core.frames import Layout
 from ..core.ragged import Ragged, joined, offsets_of
-from ..format.limits import SHARD_HEADER_MAX, segment_record_bytes
+from ..format.limits import RECORD_BYTES, SHARD_HEADER_MAX, segment_record_bytes
 from ..format.names import SHARD_VERSION, group_names
 from .catalog import UNKNOWN
 
@@ -116,7 +117,10 @@ def items_of(frames: Any, ranks: Mapping[str, set[int]]) -> list[Item]:
             Item(name, layout, n, run, sender, (g, lo, lo + n))
             for name, lo, n, run, sender in zip(g.files, g.starts, g.counts, runs, senders, strict=True)
         ]
-    return sorted(items, key=lambda item: item.name)
+    return sorted(items, key=_name)
+
+
+_name = attrgetter("name")
 
 
 def _one_rank(ranks: Any) -> int:
@@ -165,6 +169,11 @@ def fill(items: list[Item], max_shard_bytes: int) -> list[list[Item]]:
     A shard's bytes count its tensors and frame indexes; its header holds its filenames' records (many long
     filenames: that limit comes first). A shard holds at least one item.
     """
+    names = "".join(item.name for item in items)
+    if names.isascii() and names.isprintable() and '"' not in names and "\\" not in names:  # one record each
+        header = len(names) + RECORD_BYTES * len(items)  # `segment_record_bytes`, for all of them at once
+        if header <= SHARD_HEADER_MAX and sum(item.nbytes + 8 * item.n for item in items) <= max_shard_bytes:
+            return [items] if items else []
     shards: list[list[Item]] = [[]]
     size = header = 0
     for item in items:

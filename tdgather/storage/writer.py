@@ -27,6 +27,7 @@ import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -224,7 +225,8 @@ class DatasetWriter:
         record = [[item.name, *s] for item, s in zip(shard, segments, strict=True)]
         meta = ShardRecord(name_of_shard, groups, record, self.run, self.attempt).to_metadata()
         chunks = encode(entries, meta)
-        entry = {"frames": sum(item.n for item in shard), "bytes": sum(item.nbytes for item in shard), "groups": groups}
+        entry = {"frames": sum(map(attrgetter("n"), shard)), "bytes": sum(map(attrgetter("nbytes"), shard))}
+        entry["groups"] = groups
         if self.write_threads > 1:
             self._room_to_write()
             self._writing.append((name_of_shard, self._putter.submit(self.out.store.put, name_of_shard, chunks)))
