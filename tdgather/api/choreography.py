@@ -89,7 +89,9 @@ def open_rank(role: Role, settings: Settings, call: Call | None, rank: int, prog
         link.open()
         link.start()
     if not role.writes:  # 4., a sender
-        return Rank(role, failure, Chunks(settings, link.saved, failure, progress, link.queue), link=link)
+        arenas = link.shm.arena if link.shm is not None else None  # its batches copied into shared memory
+        chunks = Chunks(settings, link.saved, failure, progress, link.queue, arenas=arenas)
+        return Rank(role, failure, chunks, link=link)
     if link is None:  # rank dst: its sink says what was saved
         destination = Destination(settings, call, rank, role, failure)
     else:  # a block writer: the coordinator says, and gives the run its sink joins

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..core.framestore import FrameStore
@@ -34,7 +34,8 @@ class Chunks:
 
     ``saved`` is what a resumed run saved: each chunk is seeded with its layouts. ``source``: a
     writer's own rank, whose chunks go into its inbox as ``("local", source, store)``; a sender's go
-    as the store alone.
+    as the store alone. ``arenas``: a sender whose writer shares its host (`tdgather.comm.shm.ShmWriter.arena`):
+    each chunk copies its batches into the shared memory it is sent in.
     """
 
     def __init__(
@@ -45,9 +46,11 @@ class Chunks:
         progress: Progress,
         out: queue.Queue,
         source: int | None = None,
+        arenas: Callable[[int], Any] | None = None,
     ) -> None:
         self.settings, self.saved, self.failure, self.progress = settings, saved, failure, progress
         self.out, self.source = out, source
+        self.arenas = arenas if settings.copy else None  # a sender on rank dst's host: `tdgather.comm.shm.Arena`
         self.store = self._new_store()
         self.since: float | None = None  # when the current chunk's first frame came
         self.pending_peak = 0  # the most chunks queued at once
@@ -105,4 +108,9 @@ class Chunks:
         return store if self.source is None else ("local", self.source, store)
 
     def _new_store(self) -> FrameStore:
-        return FrameStore(self.settings.copy, self.saved.layouts, self.settings.fixed)
+        """A chunk's store; with ``arenas``, its copied batches go straight into an shm file of twice the chunk.
+
+        A chunk is sent once it reaches ``chunk_bytes``, so it holds less than that plus its last batch.
+        """
+        arena = self.arenas(2 * self.settings.chunk_bytes) if self.arenas is not None else None
+        return FrameStore(self.settings.copy, self.saved.layouts, self.settings.fixed, arena=arena)

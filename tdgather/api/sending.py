@@ -110,7 +110,8 @@ class Link:
                 if isinstance(item, BaseException):
                     self.ch.wait(end_stream(self.ch, error=item), "the error message")
                     return
-                self.ch.wait(send_frames(self.ch, pack(item), self.joiner, self.shm), "a chunk")
+                arena = getattr(item, "arena", None)  # its batches already in an shm file
+                self.ch.wait(send_frames(self.ch, pack(item), self.joiner, self.shm, arena), "a chunk")
                 self.joiner.wait(self.ch)
                 self.sent += len(item)
         except BaseException as e:

@@ -25,7 +25,7 @@ from ..core.frames import Layout, Leaf
 from ..core.part import Part
 from ..errors import ProtocolError
 from .pack import PIECE_MIN, PIECE_TARGET, Packed
-from .shm import ShmWriter, open_shm
+from .shm import Arena, ShmWriter, open_shm
 from .transport import Channel, Message, peer_error
 from .wire import DataHeader, Kind, error_header, shm_offsets
 
@@ -76,15 +76,19 @@ class Joiner:
             self._works[k] = []
 
 
-def send_frames(ch: Channel, packed: Packed, joiner: Joiner, shm: ShmWriter | None = None) -> list:
+def send_frames(
+    ch: Channel, packed: Packed, joiner: Joiner, shm: ShmWriter | None = None, arena: Arena | None = None
+) -> list:
     """Post a packed store: its data message, then every piece; return the works to wait for.
 
     Sends of joined pieces in reused buffers are the joiner's to wait for (`Joiner.wait`). With
-    ``shm`` (the peer shares this host), the pieces go into an shm file instead, when one can be made.
+    ``shm`` (the peer shares this host), the pieces go into an shm file instead, when one can be made:
+    the store's ``arena``'s, when its batches were copied there as the message lays them out.
     """
     if shm is not None and packed.pieces:
         offsets, size = _piece_offsets(packed.header)
-        written = shm.write([[as_bytes(t.contiguous()) for t in p] for p in packed.pieces], offsets, size)
+        pieces = [[as_bytes(t.contiguous()) for t in p] for p in packed.pieces]
+        written = shm.write(pieces, offsets, size, arena)
         if written is not None:
             name, keep = written
             shm = {"name": name, "size": size, **({"keep": True} if keep else {})}

@@ -23,6 +23,12 @@ that held its rows is written) hands it back by renaming it ``<name>.free``; a s
 shm file back by renaming it to its name again (`ShmWriter.write`). A sender never waits for
 one: with none handed back, the chunk goes into a new shm file, unlinked by rank dst as it maps it.
 
+An arena (`Arena`): a Collector's sender may claim a ring file when its chunk begins, and `add`
+copies each batch straight into it, where the data message will lay its rows out; the chunk is then
+sent in that file with nothing more copied (one copy per byte on the sender, into memory touched
+before). `ShmWriter.write` checks that every batch there lies at its offset; if one does not, the
+chunk is copied into another file and the arena's goes back to the ring.
+
 Lifetime: an shm file is written whole before its header is sent, so a sender killed mid-write
 loses only that chunk. A sender removes at close whatever of its own rank dst did not take, and
 its ring. A sender lost mid-run (killed, hung) cannot: rank dst removes, when the run ends, every
@@ -45,6 +51,7 @@ import re
 import secrets
 import socket
 import stat
+import threading
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -60,6 +67,7 @@ __all__ = [
     "FREE",
     "RING",
     "SHM_NAME",
+    "Arena",
     "PeerShm",
     "ShmWriter",
     "host_token",
@@ -143,22 +151,52 @@ class ShmWriter:
         self.kept: list[_Kept] = []
         self.ring = ring_size() if ring is None else ring
         self.warned = False
+        self._lock = threading.Lock()  # the loop's thread claims arenas, the send thread writes chunks
 
-    def write(self, pieces: list[list[torch.Tensor]], offsets: list[int], size: int) -> tuple[str, bool] | None:
+    def arena(self, size: int) -> Arena:
+        """An `Arena` of ``size`` bytes for the next chunk's batches (it claims a kept shm file when first used)."""
+        return Arena(self, size)
+
+    def claim(self, size: int) -> _Kept | None:
+        """A kept shm file of at least ``size`` bytes, for an arena: one handed back, or a new one; else None."""
+        if self.dir is None or not size:
+            return None
+        with self._lock:
+            kept = self._handed_back(size, grow=False)
+            if kept is None and len(self.kept) < self.ring:
+                kept = self._new_kept(size)
+        return kept
+
+    def write(
+        self, pieces: list[list[torch.Tensor]], offsets: list[int], size: int, arena: Arena | None = None
+    ) -> tuple[str, bool] | None:
         """Write the pieces (uint8 tensors each, in order) at ``offsets``.
+
+        With ``arena`` (the chunk's batches were copied into its shm file), that file is the one
+        sent when every batch there lies at its offset: only the other pieces are written.
 
         Returns the shm file's name and whether it is kept (rank dst hands it back), or None.
         """
         if self.dir is None:
             return None
-        kept = self._handed_back(size) if size else None
-        if kept is None and size and len(self.kept) < self.ring:
-            made = self._create(size)
-            if made is None:
-                return None
-            path, fd = made
-            kept = _Kept(path, fd, mmap.mmap(fd, size, access=mmap.ACCESS_WRITE), size)
-            self.kept.append(kept)
+        if arena is None or arena.kept is None:
+            return self._write(pieces, offsets, size)
+        if size <= arena.kept.size and arena.in_place(pieces, offsets):
+            _fill(arena.kept.mm, pieces, offsets)  # the batches in place already are not copied
+            return arena.kept.path.name, True
+        try:  # not as the message lays them out: copied into another shm file (never the arena's own)
+            return self._write(pieces, offsets, size)
+        finally:
+            arena.release()
+
+    def _write(self, pieces: list[list[torch.Tensor]], offsets: list[int], size: int) -> tuple[str, bool] | None:
+        """`write` into a kept shm file handed back, a new kept one, or a new one rank dst unlinks."""
+        with self._lock:
+            kept = self._handed_back(size) if size else None
+            if kept is None and size and len(self.kept) < self.ring:
+                kept = self._new_kept(size)
+                if kept is None:
+                    return None
         if kept is not None:
             _fill(kept.mm, pieces, offsets)
             return kept.path.name, True
@@ -176,6 +214,16 @@ class ShmWriter:
             self.made = [p for p in self.made if p.exists()]
         self.made.append(path)
         return path.name, False
+
+    def _new_kept(self, size: int) -> _Kept | None:
+        """A new shm file of the ring (None: no room, logged)."""
+        made = self._create(size)
+        if made is None:
+            return None
+        path, fd = made
+        kept = _Kept(path, fd, mmap.mmap(fd, size, access=mmap.ACCESS_WRITE), size)
+        self.kept.append(kept)
+        return kept
 
     def _create(self, size: int) -> tuple[Path, int] | None:
         """A new shm file of ``size`` bytes, its pages allocated (a full directory: None, and a log line)."""
@@ -208,9 +256,11 @@ class ShmWriter:
                 f"TDGATHER_SHM_SPARE={spare}"
             )
 
-    def _handed_back(self, size: int) -> _Kept | None:
-        """A kept shm file rank dst has let go of, taken back (grown to ``size`` if need be); or None."""
+    def _handed_back(self, size: int, grow: bool = True) -> _Kept | None:
+        """A kept shm file rank dst has let go of, taken back (grown to ``size`` if need be and ``grow``); or None."""
         for kept in self.kept:
+            if kept.size < size and not grow:
+                continue
             try:
                 os.rename(kept.path.with_name(kept.path.name + FREE), kept.path)
             except OSError:  # not handed back (yet)
@@ -223,7 +273,11 @@ class ShmWriter:
                 except OSError:  # no room to grow it: it waits for a smaller chunk
                     os.rename(kept.path, kept.path.with_name(kept.path.name + FREE))
                     return None
-                kept.mm.close()
+                try:
+                    kept.mm.close()
+                except BufferError:  # an arena's batches still view it: it waits, at its size, for a smaller chunk
+                    os.rename(kept.path, kept.path.with_name(kept.path.name + FREE))
+                    return None
                 kept.mm, kept.size = mmap.mmap(kept.fd, size, access=mmap.ACCESS_WRITE), size
             return kept
         return None
@@ -254,10 +308,67 @@ class ShmWriter:
 
 def _fill(mm: mmap.mmap, pieces: list[list[torch.Tensor]], offsets: list[int]) -> None:
     out = torch.frombuffer(mm, dtype=torch.uint8)
+    base = out.data_ptr()
     for at, piece in zip(offsets, pieces, strict=True):
         for t in piece:
-            out[at : at + t.numel()].copy_(t)
+            if t.data_ptr() != base + at:  # a batch an arena holds lies there already
+                out[at : at + t.numel()].copy_(t)
             at += t.numel()
+
+
+class Arena:
+    """Where a chunk's copied batches go (`tdgather.core.framestore.FrameStore`'s ``arena``): a kept shm file.
+
+    A batch is copied there once, at ``add``, right after the one before, so the chunk's shm file is
+    written as the batches come and its data message needs no copy of them: the file holds one
+    layout's single tensor leaf, whose rows the message lays out back to back from offset 0
+    (`tdgather.comm.wire.shm_offsets`). It takes batches of one layout (``key``) only, while they
+    fit in its file; from the first it cannot take, it takes none (later rows would not lie where
+    the message puts them). `ShmWriter.write` sends its file only if every batch lies at its
+    offset, else copies the chunk into another one and hands the arena's back to the ring.
+    """
+
+    def __init__(self, writer: ShmWriter, size: int) -> None:
+        self.writer, self.size = writer, size
+        self.kept: _Kept | None = None
+        self.key: Any = None
+        self.at = 0
+        self.closed = False
+        self._base: torch.Tensor | None = None
+
+    def take(self, key: Any, nbytes: int) -> torch.Tensor | None:
+        """``nbytes`` of the file for a batch of ``key``'s layout (uint8), or None: copy it elsewhere."""
+        if self.closed:
+            return None
+        if self.kept is None:
+            self.kept = self.writer.claim(self.size)
+            if self.kept is None:
+                self.closed = True
+                return None
+            self.key, self._base = key, torch.frombuffer(self.kept.mm, dtype=torch.uint8)
+        if key is not self.key or self.at + nbytes > self.kept.size:
+            self.closed = True
+            return None
+        out, self.at = self._base[self.at : self.at + nbytes], self.at + nbytes
+        return out
+
+    def in_place(self, pieces: list[list[torch.Tensor]], offsets: list[int]) -> bool:
+        """Whether every tensor of ``pieces`` that lies in the file lies at its offset there."""
+        if self._base is None:
+            return False
+        base, end = self._base.data_ptr(), self._base.data_ptr() + self.kept.size
+        for at, piece in zip(offsets, pieces, strict=True):
+            for t in piece:
+                if base <= t.data_ptr() < end and t.data_ptr() != base + at:
+                    return False
+                at += t.numel()
+        return True
+
+    def release(self) -> None:
+        """Not sent: the file goes back to the ring, for the chunks that follow."""
+        if self.kept is not None:
+            _hand_back(self.kept.path)
+        self.closed = True
 
 
 def _hand_back(path: Path) -> None:

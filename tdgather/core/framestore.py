@@ -29,7 +29,9 @@ What the store keeps of a batch given to `FrameStore.add`:
 - CPU tensors are copied (``copy=True``, the default), because inference loops often
   reuse their output buffers, and ``inference_mode`` tensors carry no version counter
   that could tell; with ``copy=False`` they are kept by reference, and the caller must
-  not modify them until they are sent;
+  not modify them until they are sent. With an ``arena`` (a Collector's sender on rank
+  dst's host), a batch of one tensor leaf is copied into the shared memory its chunk is
+  sent in (`tdgather.comm.shm.Arena`) instead of into memory of its own;
 - ``update``'s frames (a dict's, one tensor each) are stacked into a batch per layout, which is
   their copy; but a store that keeps references (``copy=False``, as `as_store` makes for `gather`
   of a dict, read during the call) holds each frame of at least `ROW_ALONE` bytes as it is, a
@@ -83,8 +85,13 @@ class FrameStore:
         (3, 36)
     """
 
-    def __init__(self, copy: bool = True, saved: Mapping[str, Layout] | None = None, fixed: bool = False) -> None:
+    def __init__(
+        self, copy: bool = True, saved: Mapping[str, Layout] | None = None, fixed: bool = False, arena: Any = None
+    ) -> None:
         self.copy = copy
+        # where copied batches go, when the store's bytes are to be sent through shared memory: an object
+        # with ``take(key, nbytes)`` giving a uint8 tensor, or None (`tdgather.comm.shm.Arena`)
+        self.arena = arena
         self.fixed = fixed  # frames declared fixed (ragged=False): a first dim that changes is refused
         self._saved = saved or {}  # a resumed run's layouts: a filename must keep the one it was saved with
         self._groups: dict[Layout, LayoutGroup] = {}
@@ -149,7 +156,7 @@ class FrameStore:
         if self.copy and n <= g.small and frames.is_contiguous() and not (frames.is_conj() or frames.is_neg()):
             g.copy_in(frame_idx, (frames,), n)
         else:
-            g.keep(frame_idx.clone(), [self._keep(frames, self.copy)])
+            g.keep(frame_idx.clone(), self._held(g, [frames], self.copy))
         self.num_frames += n
         self.nbytes += n * g.frame_nbytes
         return None
@@ -327,11 +334,27 @@ class FrameStore:
         ):
             g.copy_in(idx, tensors, n)
         else:
-            g.keep(idx.clone(), [self._keep(t, copy) for t in tensors])
+            g.keep(idx.clone(), self._held(g, tensors, copy))
         for values, new in zip(g.json, json, strict=True):
             values += new
         self.num_frames += n
         self.nbytes += n * g.frame_nbytes + sum(t.nbytes for t in tensors if isinstance(t, Ragged))
+
+    def _held(self, g: LayoutGroup, tensors: list, copy: bool) -> list:
+        """What the store keeps of a batch's leaves: copied into the arena where it takes them, else `_keep` each.
+
+        The arena takes a copied CPU batch of one tensor leaf and no JSON leaf, right after the
+        batch before it: the rows then lie where the data message puts them (`tdgather.comm.shm.Arena`).
+        """
+        if copy and self.arena is not None and len(tensors) == 1 and not g.json:
+            t = tensors[0]
+            if type(t) is torch.Tensor and t.is_cpu and t.numel() and not (t.is_conj() or t.is_neg()):
+                out = self.arena.take(g, t.numel() * t.element_size())
+                if out is not None:
+                    out = out.view(t.dtype).view(t.shape)
+                    out.copy_(t)
+                    return [out]
+        return [self._keep(t, copy) for t in tensors]
 
     def _keep(self, t: Any, copy: bool) -> Any:
         """What the store holds of ``t`` (see the module docstring): a CPU tensor of its own bytes.

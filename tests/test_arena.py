@@ -1,0 +1,114 @@
+"""A sender on rank dst's host copies each batch once, at ``add``, into the shm file its chunk is sent in.
+
+`tdgather.comm.shm.Arena`: the batches of a chunk's one layout, a single tensor leaf, go back to back
+into a kept shm file, where the data message lays out their rows; the send then copies nothing of
+them. Wherever a batch does not lie at its offset (another layout first, a small batch before it),
+the chunk is copied into another shm file as before, and the arena's goes back to the ring.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tdgather.comm.pack import pack
+from tdgather.comm.protocol import Joiner, send_frames
+from tdgather.comm.shm import ShmWriter, open_shm
+from tdgather.core.framestore import FrameStore
+
+
+class Channel:
+    """What `send_frames` needs of a channel: ``send``, here recording each header."""
+
+    def __init__(self) -> None:
+        self.headers: list[dict] = []
+
+    def send(self, kind, header, payload=None) -> list:
+        self.headers.append(header)
+        return []
+
+
+def batch(k: int, rows: int = 8, shape=(3, 32, 32), dtype=torch.float32) -> torch.Tensor:
+    return torch.randn((rows, *shape), generator=torch.Generator().manual_seed(k)).to(dtype)
+
+
+def sent(store: FrameStore, writer: ShmWriter) -> tuple[dict, torch.Tensor]:
+    ch = Channel()
+    send_frames(ch, pack(store), Joiner(reuse=False), writer, store.arena)
+    shm = ch.headers[0]["shm"]
+    return shm, open_shm(shm["name"], shm["size"], src=1, keep=shm.get("keep", False))
+
+
+def test_batches_are_copied_once_into_the_file_their_chunk_is_sent_in(shm):
+    writer = ShmWriter()
+    store = FrameStore(arena=writer.arena(8 << 20))
+    frames = [batch(k) for k in range(4)]
+    for k, x in enumerate(frames):
+        view = x.transpose(2, 3).contiguous().transpose(2, 3)  # the same values, not contiguous
+        assert not view.is_contiguous()
+        store.add([f"v{k % 2}.mp4"] * 8, torch.arange(8 * k, 8 * k + 8), view)
+    arena = store.arena
+    base = arena.kept.mm
+    held = [chunk.tensors[0] for _, chunks in store.groups() for chunk in chunks]
+    start = torch.frombuffer(base, dtype=torch.uint8).data_ptr()
+    assert [t.data_ptr() - start for t in held] == [k * 8 * 3 * 32 * 32 * 4 for k in range(4)]  # back to back
+    header, data = sent(store, writer)
+    assert header["name"] == arena.kept.path.name and header["keep"]  # the arena's file: nothing copied at send
+    rows = data[: 4 * frames[0].nbytes].view(torch.float32).view(32, 3, 32, 32)
+    assert torch.equal(rows, torch.cat(frames))  # the rows as the message lays them out, bit for bit
+    for x in frames:
+        x.zero_()  # the caller reuses its buffers: the copies stand
+    assert torch.equal(rows[:8], batch(0))
+    writer.cleanup()
+
+
+@pytest.mark.parametrize("first", ["another layout", "a small batch"])
+def test_a_batch_not_where_the_message_puts_it_is_copied_into_another_file(shm, first):
+    writer = ShmWriter()
+    store = FrameStore(arena=writer.arena(8 << 20))
+    if first == "another layout":  # its group comes first in the message
+        store.add(["w.mp4"] * 8, torch.arange(8), batch(9, shape=(5,), dtype=torch.float64))
+    else:  # copied into the layout's open block, which comes before the batches after it
+        store.add(["v0.mp4"], torch.tensor([99]), batch(9, rows=1))
+    frames = [batch(k) for k in range(3)]
+    for k, x in enumerate(frames):
+        store.add(["v0.mp4"] * 8, torch.arange(8 * k, 8 * k + 8), x)
+    arena = store.arena
+    assert arena.kept is not None  # the batches went into the arena's file...
+    header, data = sent(store, writer)
+    assert header["name"] != arena.kept.path.name  # ...but the message lays them out elsewhere: another file
+    assert (shm / (arena.kept.path.name + ".free")).exists()  # and the arena's goes back to the ring
+    wanted = torch.cat([c.tensors[0].reshape(-1).view(torch.uint8) for _, cs in store.groups() for c in cs])
+    assert torch.equal(data[data.numel() - 3 * frames[0].nbytes :], torch.cat(frames).reshape(-1).view(torch.uint8))
+    assert wanted.numel() <= data.numel()
+    writer.cleanup()
+
+
+def test_batches_past_the_arena_or_of_a_second_layout_are_kept_as_before(shm):
+    writer = ShmWriter()
+    store = FrameStore(arena=writer.arena(2 * batch(0).nbytes))
+    for k in range(3):  # the third does not fit: it, and every batch after it, is a copy of its own
+        store.add(["v.mp4"] * 8, torch.arange(8 * k, 8 * k + 8), batch(k))
+    store.add(["w.mp4"] * 8, torch.arange(8), batch(7, shape=(5,)))
+    arena = store.arena
+    start = torch.frombuffer(arena.kept.mm, dtype=torch.uint8).data_ptr()
+    inside = [start <= c.tensors[0].data_ptr() < start + arena.kept.size for _, cs in store.groups() for c in cs]
+    assert inside == [True, True, False, False]
+    header, data = sent(store, writer)  # the message is larger than the arena's file: all of it in another
+    assert header["name"] != arena.kept.path.name
+    n = batch(0).nbytes
+    got = data[: 3 * n].view(torch.float32).view(24, 3, 32, 32)
+    assert torch.equal(got, torch.cat([batch(0), batch(1), batch(2)]))
+    writer.cleanup()
+
+
+def test_without_room_for_an_arena_batches_are_kept_as_before(shm):
+    writer = ShmWriter(ring=0)  # no shm file kept: no arena
+    store = FrameStore(arena=writer.arena(8 << 20))
+    store.add(["v.mp4"] * 8, torch.arange(8), batch(0))
+    assert store.arena.kept is None
+    header, data = sent(store, writer)
+    assert not header.get("keep") and torch.equal(
+        data[: batch(0).nbytes].view(torch.float32).view(8, 3, 32, 32), batch(0)
+    )
+    writer.cleanup()
