@@ -18,13 +18,17 @@ from tdgather.core.framestore import FrameStore
 
 
 class Channel:
-    """What `send_frames` needs of a channel: ``send``, here recording each header."""
+    """What `send_frames` needs of a channel: ``send``, here recording each header and each piece's tensor."""
 
     def __init__(self) -> None:
         self.headers: list[dict] = []
+        self.pieces: list[torch.Tensor] = []
 
     def send(self, kind, header, payload=None) -> list:
-        self.headers.append(header)
+        if header is not None:
+            self.headers.append(header)
+        else:
+            self.pieces.append(payload)
         return []
 
 
@@ -77,7 +81,9 @@ def test_a_batch_not_where_the_message_puts_it_is_copied_into_another_file(shm, 
     assert arena.kept is not None  # the batches went into the arena's file...
     header, data = sent(store, writer)
     assert header["name"] != arena.kept.path.name  # ...but the message lays them out elsewhere: another file
-    assert (shm / (arena.kept.path.name + ".free")).exists()  # and the arena's goes back to the ring
+    assert not (shm / (arena.kept.path.name + ".free")).exists()
+    arena.release()  # as the sender does once the chunk's sends are done
+    assert (shm / (arena.kept.path.name + ".free")).exists()  # the arena's file goes back to the ring
     wanted = torch.cat([c.tensors[0].reshape(-1).view(torch.uint8) for _, cs in store.groups() for c in cs])
     assert torch.equal(data[data.numel() - 3 * frames[0].nbytes :], torch.cat(frames).reshape(-1).view(torch.uint8))
     assert wanted.numel() <= data.numel()
@@ -111,4 +117,25 @@ def test_without_room_for_an_arena_batches_are_kept_as_before(shm):
     assert not header.get("keep") and torch.equal(
         data[: batch(0).nbytes].view(torch.float32).view(8, 3, 32, 32), batch(0)
     )
+    writer.cleanup()
+
+
+def test_a_chunk_sent_over_gloo_from_its_arena_keeps_the_file_until_the_sends_are_done(shm, monkeypatch):
+    writer = ShmWriter(ring=1)
+    store = FrameStore(arena=writer.arena(8 << 20))
+    store.add(["w.mp4"] * 8, torch.arange(8), batch(9, shape=(5,), dtype=torch.float64))  # not in place
+    store.add(["v.mp4"] * 8, torch.arange(8), batch(0))
+    arena = store.arena
+    monkeypatch.setenv("TDGATHER_SHM_SPARE", str(1 << 62))  # no room for another shm file: gloo carries it
+    ch = Channel()
+    send_frames(ch, pack(store), Joiner(reuse=False), writer, arena)
+    assert "shm" not in ch.headers[0]
+    in_flight = [p for p in ch.pieces if p.numel() == batch(0).nbytes]
+    assert len(in_flight) == 1  # the batch goes from the arena's file, as it lies there: no copy
+    monkeypatch.delenv("TDGATHER_SHM_SPARE")
+    assert writer.arena(8 << 20).take(object(), 64) is None  # the file is not the next chunk's while in flight
+    assert torch.equal(in_flight[0].view(torch.float32).view(8, 3, 32, 32), batch(0))
+    arena.release()  # the sends are done
+    nxt = writer.arena(8 << 20)
+    assert nxt.take(object(), 64) is not None and nxt.kept.path == arena.kept.path  # now it is
     writer.cleanup()

@@ -113,6 +113,8 @@ class Link:
                 arena = getattr(item, "arena", None)  # its batches already in an shm file
                 self.ch.wait(send_frames(self.ch, pack(item), self.joiner, self.shm, arena), "a chunk")
                 self.joiner.wait(self.ch)
+                if arena is not None:  # every send from it is done: not sent in it, its file goes back to the ring
+                    arena.release()
                 self.sent += len(item)
         except BaseException as e:
             self.failure.fail(e)

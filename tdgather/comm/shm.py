@@ -27,7 +27,8 @@ An arena (`Arena`): a Collector's sender may claim a ring file when its chunk be
 copies each batch straight into it, where the data message will lay its rows out; the chunk is then
 sent in that file with nothing more copied (one copy per byte on the sender, into memory touched
 before). `ShmWriter.write` checks that every batch there lies at its offset; if one does not, the
-chunk is copied into another file and the arena's goes back to the ring.
+chunk is copied into another file (or, with no room for one, goes over gloo), and the arena's file
+goes back to the ring once those sends are done.
 
 Lifetime: an shm file is written whole before its header is sent, so a sender killed mid-write
 loses only that chunk. A sender removes at close whatever of its own rank dst did not take, and
@@ -151,7 +152,7 @@ class ShmWriter:
         self.kept: list[_Kept] = []
         self.ring = ring_size() if ring is None else ring
         self.warned = False
-        self._lock = threading.Lock()  # the loop's thread claims arenas, the send thread writes chunks
+        self._lock = threading.RLock()  # the loop's thread claims arenas, the send thread writes chunks
 
     def arena(self, size: int) -> Arena:
         """An `Arena` of ``size`` bytes for the next chunk's batches (it claims a kept shm file when first used)."""
@@ -173,21 +174,20 @@ class ShmWriter:
         """Write the pieces (uint8 tensors each, in order) at ``offsets``.
 
         With ``arena`` (the chunk's batches were copied into its shm file), that file is the one
-        sent when every batch there lies at its offset: only the other pieces are written.
+        sent when every batch there lies at its offset: only the other pieces are written. Else the
+        chunk is copied into another shm file (never within the arena's own), or goes over gloo
+        (None): the caller calls ``arena.release()`` once those sends are done, not before.
 
         Returns the shm file's name and whether it is kept (rank dst hands it back), or None.
         """
         if self.dir is None:
             return None
-        if arena is None or arena.kept is None:
-            return self._write(pieces, offsets, size)
-        if size <= arena.kept.size and arena.in_place(pieces, offsets):
-            _fill(arena.kept.mm, pieces, offsets)  # the batches in place already are not copied
-            return arena.kept.path.name, True
-        try:  # not as the message lays them out: copied into another shm file (never the arena's own)
-            return self._write(pieces, offsets, size)
-        finally:
-            arena.release()
+        if arena is not None and arena.kept is not None and size <= arena.kept.size:
+            if arena.in_place(pieces, offsets):
+                _fill(arena.kept.mm, pieces, offsets)  # the batches in place already are not copied
+                arena.sent = True  # rank dst hands it back
+                return arena.kept.path.name, True
+        return self._write(pieces, offsets, size)
 
     def _write(self, pieces: list[list[torch.Tensor]], offsets: list[int], size: int) -> tuple[str, bool] | None:
         """`write` into a kept shm file handed back, a new kept one, or a new one rank dst unlinks."""
@@ -228,8 +228,9 @@ class ShmWriter:
     def _create(self, size: int) -> tuple[Path, int] | None:
         """A new shm file of ``size`` bytes, its pages allocated (a full directory: None, and a log line)."""
         assert self.dir is not None
-        path = self.dir / f"tdgather-{os.getpid()}-{pid_namespace()}-{self.token}-{self.number}"
-        self.number += 1
+        with self._lock:  # a number of its own, whichever thread makes it
+            path = self.dir / f"tdgather-{os.getpid()}-{pid_namespace()}-{self.token}-{self.number}"
+            self.number += 1
         try:
             self._room(size)
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -273,11 +274,7 @@ class ShmWriter:
                 except OSError:  # no room to grow it: it waits for a smaller chunk
                     os.rename(kept.path, kept.path.with_name(kept.path.name + FREE))
                     return None
-                try:
-                    kept.mm.close()
-                except BufferError:  # an arena's batches still view it: it waits, at its size, for a smaller chunk
-                    os.rename(kept.path, kept.path.with_name(kept.path.name + FREE))
-                    return None
+                # the old mapping is not closed: views of it (a sent chunk's) may be alive; it goes with the last
                 kept.mm, kept.size = mmap.mmap(kept.fd, size, access=mmap.ACCESS_WRITE), size
             return kept
         return None
@@ -325,7 +322,8 @@ class Arena:
     (`tdgather.comm.wire.shm_offsets`). It takes batches of one layout (``key``) only, while they
     fit in its file; from the first it cannot take, it takes none (later rows would not lie where
     the message puts them). `ShmWriter.write` sends its file only if every batch lies at its
-    offset, else copies the chunk into another one and hands the arena's back to the ring.
+    offset, else copies the chunk into another one (or it goes over gloo, from the batches where
+    they lie); the sender then hands the arena's file back to the ring once the sends are done.
     """
 
     def __init__(self, writer: ShmWriter, size: int) -> None:
@@ -334,6 +332,7 @@ class Arena:
         self.key: Any = None
         self.at = 0
         self.closed = False
+        self.sent = False  # its file was the chunk's: rank dst hands it back
         self._base: torch.Tensor | None = None
 
     def take(self, key: Any, nbytes: int) -> torch.Tensor | None:
@@ -365,8 +364,8 @@ class Arena:
         return True
 
     def release(self) -> None:
-        """Not sent: the file goes back to the ring, for the chunks that follow."""
-        if self.kept is not None:
+        """Once the chunk's sends are done: a file the chunk was not sent in goes back to the ring."""
+        if self.kept is not None and not self.sent:
             _hand_back(self.kept.path)
         self.closed = True
 
