@@ -349,6 +349,7 @@ class FrameStore:
         if copy and self.arena is not None and len(tensors) == 1 and not g.json:
             t = tensors[0]
             if type(t) is torch.Tensor and t.is_cpu and t.numel() and not (t.is_conj() or t.is_neg()):
+                t = t.detach()  # the values: no autograd graph through the copy
                 out = self.arena.take(g, t.numel() * t.element_size())
                 if out is not None:
                     out = out.view(t.dtype).view(t.shape)
