@@ -110,7 +110,7 @@ class Link:
                 if isinstance(item, BaseException):
                     self.ch.wait(end_stream(self.ch, error=item), "the error message")
                     return
-                arena = getattr(item, "arena", None)  # its batches already in an shm file
+                arena = item.arena  # a sender's chunk is a store: its batches may be in an shm file already
                 self.ch.wait(send_frames(self.ch, pack(item), self.joiner, self.shm, arena), "a chunk")
                 self.joiner.wait(self.ch)
                 if arena is not None:  # every send from it is done: not sent in it, its file goes back to the ring

@@ -350,7 +350,7 @@ class FrameStore:
             t = tensors[0]
             if type(t) is torch.Tensor and t.is_cpu and t.numel() and not (t.is_conj() or t.is_neg()):
                 t = t.detach()  # the values: no autograd graph through the copy
-                out = self.arena.take(g, t.numel() * t.element_size())
+                out = self.arena.take(g, t.nbytes)
                 if out is not None:
                     out = out.view(t.dtype).view(t.shape)
                     out.copy_(t)

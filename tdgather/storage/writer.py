@@ -225,8 +225,11 @@ class DatasetWriter:
         record = [[item.name, *s] for item, s in zip(shard, segments, strict=True)]
         meta = ShardRecord(name_of_shard, groups, record, self.run, self.attempt).to_metadata()
         chunks = encode(entries, meta)
-        entry = {"frames": sum(map(attrgetter("n"), shard)), "bytes": sum(map(attrgetter("nbytes"), shard))}
-        entry["groups"] = groups
+        entry = {
+            "frames": sum(map(attrgetter("n"), shard)),
+            "bytes": sum(map(attrgetter("nbytes"), shard)),
+            "groups": groups,
+        }
         if self.write_threads > 1:
             self._room_to_write()
             self._writing.append((name_of_shard, self._putter.submit(self.out.store.put, name_of_shard, chunks)))
