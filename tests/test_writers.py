@@ -313,3 +313,11 @@ def test_a_stopped_writer_fails_every_other_rank_within_the_timeout(tmp_path):
     assert r[1]["type"] in ("PeerError", "PeerLostError") and r[1]["rank"] == 0, r[1]
     assert max(x["at"] for x in (r[0], r[1], r[3])) - start < 2.0 + 6.0  # the timeout and slack (not start-up)
     assert tdgather.open(out, incomplete=True).metadata["total_frames"] >= 2  # rank 0's and 1's frames kept
+
+
+def test_the_coordinator_writes_its_own_frames_while_another_writer_still_runs(tmp_path):
+    out = tmp_path / "ds"
+    seen = run_local_world(wc.case_coordinator_writes_first, 2, str(out), 20.0, timeout=120)
+    assert seen == [None, True]
+    ds = tdgather.open(out)
+    assert sorted(ds) == ["r0.jpg", "r1.jpg"] and ds["r1.jpg"].frames[0, 0].item() == 1

@@ -122,3 +122,22 @@ def case_writer_stops(out: str, timeout: float) -> dict:
     except tdgather.TdgatherError as e:
         return {"type": type(e).__name__, "message": str(e), "rank": getattr(e, "rank", None), "at": time.time()}
     return {"type": None}
+
+
+def case_coordinator_writes_first(out: str, wait: float) -> bool | None:
+    """2 ranks, a writer each: rank 1 holds its Collector open until rank 0's own shard is on disk.
+
+    Rank 0 closes first; its shard must be written while rank 1 (another writer, which sends no
+    frames to it) still runs, not after rank 1's report. Rank 1 returns whether it saw the shard.
+    """
+    rank = dist.get_rank()
+    partial = Path(out + ".partial")
+    with tdgather.Collector(out, timeout=60, progress=False, ranks_per_writer=1) as col:
+        col.add([f"r{rank}.jpg"], [0], torch.full((1, 3), float(rank)))
+        if rank == 1:
+            deadline = time.monotonic() + wait
+            while not any(p.name.startswith("shard-00000-") for p in partial.glob("*.safetensors")):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+    return rank == 1 or None

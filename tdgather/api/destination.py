@@ -129,7 +129,8 @@ class Destination:
             self.answers.answer_all(Kind.ERROR, error_header(error))
             self.sink.discard()  # nothing was received: leave nothing that blocks a rerun
             raise error
-        self.loop = WriteLoop(col, self.sink, self.inbox, self.pool, self.failure, [self.rank, *self.role.peers])
+        sources, writers = [self.rank, *self.role.peers], self.role.writers
+        self.loop = WriteLoop(col, self.sink, self.inbox, self.pool, self.failure, sources, reporters=writers)
 
     def _make_sink(self) -> Sink:
         """The sink: it checks the output (rank dst), or writes shards of the coordinator's run (a block writer)."""

@@ -11,6 +11,7 @@ the pool. What is held is also written at least every ``commit_every`` seconds.
 from __future__ import annotations
 
 import queue
+from collections.abc import Collection
 
 from ..core.duplicates import DuplicateCounts, DuplicatePolicy
 from ..core.merge import Merged, merge
@@ -35,16 +36,28 @@ class WriteLoop:
        ``("local", rank, store)`` from the writer's own loop;
     3. ``join()``, ``report.close()``; then ``received`` (frames per rank) and ``all_duplicates``.
 
+    ``reporters``: sources that send no frames (the coordinator's other writers, which end with their
+    report). Once only they are still open, what is held is written at once, beside their writes,
+    not after the slowest of them.
+
     A conflict (a copy the duplicates policy refuses, a filename with two layouts) fails the run,
     but the loop goes on writing what arrives, so that what was received is saved; a failed write
     stops writing. Every failure goes to ``failure``.
     """
 
     def __init__(
-        self, settings: Settings, sink: Sink, inbox: queue.Queue, pool: BufferPool, failure: Failure, sources: list[int]
+        self,
+        settings: Settings,
+        sink: Sink,
+        inbox: queue.Queue,
+        pool: BufferPool,
+        failure: Failure,
+        sources: list[int],
+        reporters: Collection[int] = (),
     ) -> None:
         self.settings, self.sink, self.inbox, self.pool, self.failure = settings, sink, inbox, pool, failure
         self.sources = sorted(sources)
+        self.reporters = frozenset(reporters)
         self.received = dict.fromkeys(self.sources, 0)  # frames per rank
         self.received_bytes = dict.fromkeys(self.sources, 0)
         self.policy = settings.duplicates
@@ -72,7 +85,7 @@ class WriteLoop:
         """Each spill is merged into the shard being gathered, which is written once full, when due, and at the end."""
         spill, open_sources = Spill(), set(self.sources)
         tick = min(1.0, self.settings.commit_every / 4)
-        while open_sources:
+        while open_sources - self.reporters:
             self.report.tick()
             try:
                 kind, src, item = self.inbox.get(timeout=tick)
@@ -81,9 +94,7 @@ class WriteLoop:
                     spill = self._merge(spill, write=True)
                 continue
             if kind == "end":
-                open_sources.discard(src)
-                if item is not None:
-                    self.failure.fail(item)
+                self._ended(open_sources, src, item)
                 continue
             if self.write_failed:
                 continue  # drain
@@ -104,6 +115,15 @@ class WriteLoop:
                 spill = self._merge(spill, write=due)
         if spill.parts or self.pending.groups:
             self._spill(spill, write=True)
+        while open_sources:  # the reporters' ends (a frame from one fails the run in its receive thread)
+            kind, src, item = self.inbox.get()
+            if kind == "end":
+                self._ended(open_sources, src, item)
+
+    def _ended(self, open_sources: set[int], src: int, error: BaseException | None) -> None:
+        open_sources.discard(src)
+        if error is not None:
+            self.failure.fail(error)
 
     def _merge(self, spill: Spill, write: bool) -> Spill:
         """`_spill`, then its buffers go back to the pool (merged or written: they take the next chunks).

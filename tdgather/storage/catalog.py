@@ -240,13 +240,39 @@ class Catalog:
     def _intern_layout(self, layout: Layout) -> int:
         return _intern(layout, self._layouts, self._layout_ids)
 
+    def extend(
+        self,
+        names: list[str],
+        layouts: list[Layout],
+        shards: list[str],
+        groups: list[str],
+        starts: list[int],
+        frames: list[int],
+        runs: list[tuple[int, int]] | None = None,
+    ) -> None:
+        """Filenames not recorded yet, one segment each, column by column, their senders not known.
+
+        ``runs``: each one's frame_idx written, as ``(lo, hi)``; default: not known (``(0, -1)``), as
+        for frames nothing later compares against (a writer's shards combined at close).
+        """
+        self._append_new(
+            names,
+            self._interned(layouts, self._layouts, self._layout_ids),
+            [(0, -1)] * len(names) if runs is None else runs,
+            self._interned(shards, self._shards, self._shard_ids),
+            self._interned(groups, self._groups, self._group_ids),
+            starts,
+            frames,
+            [UNKNOWN] * len(names),
+        )
+
     def load(
         self, files: Mapping[str, dict], layouts: Mapping[str, Layout], written: Mapping[str, torch.Tensor]
     ) -> None:
         """Take what earlier attempts saved (`tdgather.storage.runstate.RunState`'s files, layouts and runs).
 
         A filename new here with one segment and one run of frames (the usual case) is taken column by
-        column (`_append_new`); any other one segment at a time.
+        column (`extend`); any other one segment at a time.
         """
         fresh, rest = [], []
         for name, entry in files.items():
@@ -256,15 +282,14 @@ class Catalog:
         if fresh:
             segs = [files[name]["segments"][0] for name in fresh]
             spans = [written.get(name) for name in fresh]
-            self._append_new(
+            self.extend(
                 fresh,
-                self._interned([layouts[name] for name in fresh], self._layouts, self._layout_ids),
-                [(0, -1) if r is None else tuple(r.tolist()[0]) for r in spans],
-                self._interned([seg["shard"] for seg in segs], self._shards, self._shard_ids),
-                self._interned([seg["group"] for seg in segs], self._groups, self._group_ids),
+                [layouts[name] for name in fresh],
+                [seg["shard"] for seg in segs],
+                [seg["group"] for seg in segs],
                 [seg["start"] for seg in segs],
                 [seg["frames"] for seg in segs],
-                [UNKNOWN] * len(fresh),
+                [(0, -1) if r is None else tuple(r.tolist()[0]) for r in spans],
             )
         for name in rest:
             entry, runs = files[name], written.get(name)

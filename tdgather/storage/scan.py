@@ -26,13 +26,10 @@ from ..core.runs import add_runs
 from ..errors import DatasetError
 from ..format.check import (
     Check,
-    check_group,
     check_index,
-    check_layout,
     check_shard,
     load_json,
     names_in,
-    shard_groups,
 )
 from ..format.names import (
     FORMAT,
@@ -48,6 +45,7 @@ from ..format.records import Attempt, Failure
 from .combine import resolve
 from .runstate import RunState, new_run
 from .segments import open_shard
+from .shardrecord import read_record
 from .store import Store
 
 __all__ = ["frame_idx_of", "from_index", "from_shards", "index_runs", "loose_shards", "partial_index", "shard_files"]
@@ -141,55 +139,23 @@ def from_shards(
     layout_of: dict[tuple[str, str], Layout] = {}
     runs = set()
     for name in names:
-        c = Check(store.path(name))
-        with open_shard(store, name, Check(store.where), "shard") as f:
-            meta = f.metadata() or {}
-            record = meta.get("segments")
-            if record is None:
-                if not required:
-                    return None
-                raise c.fail(
-                    "__metadata__.segments",
-                    "the shard's record of its segments, which tdgather writes since index version 3 (an older "
-                    "tdgather's run cannot be resumed: read it with tdgather.open(path, incomplete=True), or rerun "
-                    "with overwrite=True)",
-                    None,
-                )
-            if meta.get("shard") != name:
-                raise c.fail(
-                    "__metadata__.shard", f"{name!r} (its own name: shard files were renamed)", meta.get("shard")
-                )
-            runs.add(c.str(meta.get("run"), "__metadata__.run"))
-            attempt = meta.get("attempt", "")
-            if not (attempt.isdigit() and 0 < int(attempt) < 1 << 31):
-                raise c.fail("__metadata__.attempt", "a positive integer", attempt)
-            attempt_of[name] = int(attempt)
-            raw = shard_groups(f, c)
-            groups = {g: check_layout(desc, c, f"__metadata__.groups[{g!r}]") for g, desc in raw.items()}
-            layout_of.update(((name, g), layout) for g, layout in groups.items())
-            rows = {g: check_group(f, c, g, layout) for g, layout in groups.items()}
-            covered = dict.fromkeys(groups, 0)
-            segments = c.list(load_json(c.str(record, "__metadata__.segments"), c, "__metadata__.segments"), "segments")
-            for i, seg in enumerate(segments):
-                sf = f"__metadata__.segments[{i}]"
-                filename, group, start, count = c.list(seg, sf, 4)
-                c.str(filename, f"{sf}[0]"), c.int(start, f"{sf}[2]"), c.int(count, f"{sf}[3]")
-                if group not in groups or start != covered[group]:
-                    raise c.fail(sf, f"the next rows of a group of this shard ({sorted(groups)})", seg)
-                covered[group] += count
-                entry = files.setdefault(filename, {"frames": 0, "segments": []})
+        record = read_record(store, name, required)
+        if record is None:
+            return None
+        runs.add(record.run)
+        attempt_of[name] = record.attempt
+        layout_of.update(((name, g), layout) for g, layout in record.layouts.items())
+        for filename, group, start, count in zip(
+            record.filenames, record.segment_groups, record.starts, record.frames, strict=True
+        ):
+            segment = {"shard": name, "group": group, "start": start, "frames": count}
+            entry = files.get(filename)
+            if entry is None:
+                files[filename] = {"frames": count, "segments": [segment]}
+            else:
                 entry["frames"] += count
-                entry["segments"].append({"shard": name, "group": group, "start": start, "frames": count})
-            if covered != rows:
-                raise c.fail("__metadata__.segments", f"segments that cover every row ({rows})", covered)
-            nbytes = 0
-            for g, layout in groups.items():
-                names_g = names_in(f, c, g, layout)
-                nbytes += rows[g] * layout.frame_nbytes
-                for leaf, tensor in zip(layout.leaves, names_g.leaves, strict=True):
-                    if leaf.ragged:
-                        nbytes += f.get_slice(tensor).get_shape()[0] * leaf.row_nbytes
-            shards[name] = {"frames": sum(rows.values()), "bytes": nbytes, "groups": raw}
+                entry["segments"].append(segment)
+        shards[name] = {"frames": sum(record.rows.values()), "bytes": record.nbytes, "groups": record.groups}
     if len(runs) > 1:
         raise DatasetError(store.where, "shards", f"expected the shards of one run, got runs {sorted(runs)}")
     order_of = {name: shard_order(name, attempt) for name, attempt in attempt_of.items()}

@@ -54,6 +54,7 @@ from .ondisk import compare_written, drop_written
 from .output import Output, output_at
 from .runstate import RunState
 from .scan import from_shards
+from .shardrecord import read_record
 from .shards import Item, fill, items_of, shard_tensors
 from .store import Store, digest
 
@@ -334,12 +335,41 @@ class DatasetWriter:
         names = sorted(sums)
         if not names:  # no writer had a frame: an empty dataset
             return DuplicateCounts()
-        state = from_shards(store, names, policy=self.policy, frames=False, fixed=self.fixed)
+        with collection_paused():
+            if self._combine_new(sorted(set(sums) - set(self.shards)), sums):
+                return DuplicateCounts()
+            state = from_shards(store, names, policy=self.policy, frames=False, fixed=self.fixed)
         for name, entry in state.shards.items():  # each shard's size and checksum, as its writer put it
             entry.update({k: sums[name][k] for k in ("size", "sha256", "crc32") if k in sums[name]})
         self.shards, self.catalog = state.shards, Catalog()
         self.catalog.load(state.files, state.layouts, state.written)
         return state.duplicates
+
+    def _combine_new(self, others: list[str], sums: Mapping[str, dict]) -> bool:
+        """The usual combine: the other writers' shards (``others``) hold none of the filenames held here.
+
+        Their records are read back column by column (`read_record`), checked, and added to what this
+        writer holds; False (nothing taken) when a filename is in two writers' shards (or twice), or a
+        shard is of another run: then every shard is read again and the copies resolved (`from_shards`).
+        """
+        records = [read_record(self.out.store, name) for name in others]
+        filenames = [f for r in records for f in r.filenames]
+        if any(r.run != self.run for r in records) or len(set(filenames)) != len(filenames):
+            return False
+        if not self.catalog.ids.keys().isdisjoint(filenames):
+            return False
+        for name, r in zip(others, records, strict=True):
+            entry = {"frames": sum(r.rows.values()), "bytes": r.nbytes, "groups": r.groups}
+            self.shards[name] = entry | {k: sums[name][k] for k in ("size", "sha256", "crc32") if k in sums[name]}
+            self.catalog.extend(
+                r.filenames,
+                [r.layouts[g] for g in r.segment_groups],
+                [name] * len(r.filenames),
+                r.segment_groups,
+                r.starts,
+                r.frames,
+            )
+        return True
 
     def commit(self, metadata: Mapping[str, Any] | None = None) -> Path | str:
         """Write the index (last), then put the dataset in place; return its path (or URL).
