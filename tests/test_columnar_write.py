@@ -82,14 +82,29 @@ def test_a_gathered_group_writes_the_bytes_one_piece_a_filename_writes(tmp_path,
     assert torch.equal(ds[name].frames["x"], gathered[name].frames["x"]) and len(ds) == n
 
 
-def test_a_shard_recorded_in_one_pass_is_what_one_add_an_item_records():
+def item(name: str, idx: list[int], rank) -> Item:
+    """An item of ``name``'s frames ``idx`` (float32 ``[2]`` each), all from ``rank`` (or one rank per row)."""
     layout = tdgather.gather({"a": [(0, torch.zeros(2))]}).groups[0].layout
-    one = torch.zeros(1, 2)
+    runs = (idx[0], idx[-1]) if idx == list(range(idx[0], idx[-1] + 1)) else None
+    return Item.of(name, layout, torch.tensor(idx), [torch.zeros(len(idx), 2)], [], runs, rank)
 
-    def item(name: str, idx: list[int], rank) -> Item:
-        runs = (idx[0], idx[-1]) if idx == list(range(idx[0], idx[-1] + 1)) else None
-        return Item.of(name, layout, torch.tensor(idx), [one.expand(len(idx), 2)], [], runs, rank)
 
+def recorded_both_ways(shards: list[list[Item]]) -> tuple[Catalog, Catalog]:
+    """``shards`` recorded by `Catalog.add_shard`, and one `Catalog.add` an item."""
+    by_pass, by_add = Catalog(), Catalog()
+    for k, shard in enumerate(shards):
+        segments = [("g0", row, it.n) for row, it in enumerate(shard)]
+        by_pass.add_shard(f"s{k}", shard, segments)
+        for it, (group, start, frames) in zip(shard, segments, strict=True):
+            seg = {"shard": f"s{k}", "group": group, "start": start, "frames": frames}
+            by_add.add(it.name, it.layout, seg, it.idx, it.runs, it.rank)
+    assert "".join(by_pass.json_chunks()) == "".join(by_add.json_chunks())
+    for name in by_add.ids:
+        assert torch.equal(by_pass.written(name), by_add.written(name)) and by_pass.ranks(name) == by_add.ranks(name)
+    return by_pass, by_add
+
+
+def test_a_shard_recorded_in_one_pass_is_what_one_add_an_item_records():
     first = [item("old.mp4", [0], 0), item("other.mp4", [0, 1], 1)]
     second = [  # new names (one run, one sender), a name held, a name twice, gaps, rows from several ranks
         item("a.mp4", [0], 0),
@@ -100,18 +115,24 @@ def test_a_shard_recorded_in_one_pass_is_what_one_add_an_item_records():
         item("d.mp4", [0, 1], torch.tensor([0, 1], dtype=torch.int32)),
         item("e.mp4", [3], 2),
     ]
-    by_pass, by_add = Catalog(), Catalog()
-    for k, shard in enumerate((first, second)):
-        segments = [("g0", row, it.n) for row, it in enumerate(shard)]
-        by_pass.add_shard(f"s{k}", shard, segments)
-        for it, (group, start, frames) in zip(shard, segments, strict=True):
-            seg = {"shard": f"s{k}", "group": group, "start": start, "frames": frames}
-            by_add.add(it.name, it.layout, seg, it.idx, it.runs, it.rank)
-    assert "".join(by_pass.json_chunks()) == "".join(by_add.json_chunks())
-    for name in by_add.ids:
-        assert torch.equal(by_pass.written(name), by_add.written(name)) and by_pass.ranks(name) == by_add.ranks(name)
+    by_pass, _ = recorded_both_ways([first, second])
     assert by_pass.files()["b.mp4"]["frames"] == 4 and by_pass.ranks("d.mp4") == [0, 1]
     assert by_pass.num_files() == 7 and by_pass.max_frames() == 4
+
+
+@pytest.mark.parametrize(
+    "shards",
+    [
+        [[("a", [0]), ("b", [0])], [("c", [0]), ("a", [1])]],  # a name held by an earlier shard
+        [[("a", [0]), ("b", [0]), ("b", [1, 2])]],  # a name twice in one shard
+        [[("a", [0])], [("b", [0, 1])], [("b", [2])]],  # a name again, in a shard of its own
+    ],
+)
+def test_shards_of_whole_runs_from_one_rank_each_record_every_segment(shards):
+    """Shards where every item is one run from one sender, but a name is not new: no segment is lost."""
+    by_pass, _ = recorded_both_ways([[item(name, idx, 0) for name, idx in shard] for shard in shards])
+    frames = {name: sum(len(idx) for s in shards for n, idx in s if n == name) for s in shards for name, _ in s}
+    assert {name: e["frames"] for name, e in by_pass.files().items()} == frames
 
 
 def test_what_earlier_attempts_saved_loads_as_listed():

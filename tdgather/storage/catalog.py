@@ -115,10 +115,24 @@ class Catalog:
     def add_shard(self, shard: str, items: Sequence, segments: Sequence[tuple[str, int, int]]) -> None:
         """Record every item of shard ``shard`` (`tdgather.storage.shards.Item`s) at its ``(group, start, frames)``.
 
-        The same as `add` for each. The items seen for the first time, whose frames are one run from
-        one sender (the usual case), are recorded column by column, a few list passes for them all;
-        any other goes through `add`.
+        The same as `add` for each. When every item is seen for the first time, its frames one run
+        from one sender (the usual case), they are recorded column by column, a few list passes for
+        them all; else those items are, and any other goes through `add`.
         """
+        names = [item.name for item in items]
+        runs, ranks = [item.runs for item in items], [item.rank for item in items]
+        if None not in runs and set(map(type, ranks)) <= {int} and self._all_new(names):
+            self._append_new(
+                names,
+                self._interned([item.layout for item in items], self._layouts, self._layout_ids),
+                runs,
+                [_intern(shard, self._shards, self._shard_ids)] * len(names),
+                self._interned([seg[0] for seg in segments], self._groups, self._group_ids),
+                [seg[1] for seg in segments],
+                [seg[2] for seg in segments],
+                ranks,
+            )
+            return
         ids, fresh = self.ids, set()  # fresh: the names recorded by this call's columns (a name twice: `add`)
         fast, slow = [], []
         layout, k_layout = None, 0  # the last item's: the next is usually alike
@@ -134,6 +148,10 @@ class Catalog:
         for item, (group, start, frames), _ in slow:
             segment = {"shard": shard, "group": group, "start": start, "frames": frames}
             self.add(item.name, item.layout, segment, item.idx, item.runs, item.rank)
+
+    def _all_new(self, names: list[str]) -> bool:
+        """Whether ``names`` are distinct and none is recorded yet."""
+        return self.ids.keys().isdisjoint(names) and len(set(names)) == len(names)
 
     def _add_new(self, shard: str, rows: list[tuple]) -> None:
         """Filenames seen for the first time, one segment each: ``(item, (group, start, frames), layout number)``."""
@@ -179,8 +197,10 @@ class Catalog:
     def _interned(values: list, table: list, ids: dict) -> list[int]:
         """Each of ``values``' numbers in ``table`` (added where new): a lookup where a value is not the one before.
 
-        (Neighbours are usually one object: a layout is then not hashed again.)
+        (Neighbours are usually one object: a layout is then not hashed again; all of them, one lookup.)
         """
+        if values and values.count(values[0]) == len(values):  # one value (a shard's one group, one layout)
+            return [_intern(values[0], table, ids)] * len(values)
         out, last, k = [], None, -1
         for v in values:
             if v is not last:

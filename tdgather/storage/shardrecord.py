@@ -90,10 +90,11 @@ def _columns(segments: list, rows: dict[str, int]) -> tuple[list, list, list, li
     if (
         group not in rows
         or groups.count(group) != len(groups)
-        or not all(type(x) is str for x in filenames)
-        or not all(type(x) is int and 0 <= x <= _MAX for x in frames)
-        or starts != list(accumulate(frames[:-1], initial=0))  # each the next rows (ints, as they equal sums)
-        or any(type(x) is not int for x in starts)
+        or set(map(type, filenames)) != {str}
+        or set(map(type, frames)) != {int}
+        or set(map(type, starts)) != {int}
+        or not 0 <= min(frames) <= max(frames) <= _MAX
+        or starts != list(accumulate(frames[:-1], initial=0))  # each the next rows
         or starts[-1] + frames[-1] != rows[group]
         or any(n for g, n in rows.items() if g != group)  # every row covered
     ):
