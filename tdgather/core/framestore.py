@@ -272,7 +272,7 @@ class FrameStore:
             return
         fresh = self._refuse(g.layout, names, g.files)
         g.files |= fresh
-        self._owner.update(dict.fromkeys(fresh - self._owner.keys(), g.layout))
+        self._owner.update(dict.fromkeys(fresh.difference(self._owner), g.layout))  # a pass over fresh, not the store
 
     def _refuse(self, layout: Layout, names: list[str], files: set[str]) -> set[str]:
         """Raise for a name whose held (or saved) layout ``layout`` does not fit; return the names not in ``files``."""
@@ -391,9 +391,8 @@ class FrameStore:
             if not g.pending:
                 continue
             fresh = dict.fromkeys(g.pending)  # in order of first appearance
-            new = fresh.keys() - ids.keys()  # each name has one layout (`_claim`): new to the store
-            if new:
-                ordered = list(filter(new.__contains__, fresh))
+            ordered = [name for name in fresh if name not in ids]  # new to the store (one layout each: `_claim`)
+            if ordered:
                 ids.update(zip(ordered, itertools.count(len(self._names))))
                 self._names += ordered
             g.ids.append(torch.frombuffer(array("q", map(ids.__getitem__, g.pending)), dtype=torch.int64))
