@@ -111,6 +111,8 @@ def set_item(i: int, k: int, value):
         (set_item(2, 3, 0), r"segments\b"),  # rows no segment covers
         (lambda s: s[1].pop(), r"segments\[1\]"),  # three items
         (lambda s: s.append(["z.jpg", "g0", 4, 0]), r"segments\[3\]"),  # past the rows
+        (lambda s: s.insert(1, ["ghost.jpg", "g0", 1, 0]), r"segments\[1\]\[3\].*at least 1 frame"),  # empty
+        (set_item(2, 0, "b.jpg"), r"segments\[2\].*segments\[1\] holds 'b.jpg'"),  # a filename twice in g0
     ],
 )
 def test_a_record_edited_by_hand_is_refused_naming_its_segment(tmp_path, edit, field):
@@ -132,4 +134,18 @@ def test_a_record_that_leaves_out_a_group_is_refused(tmp_path):
     (name,) = w.shards
     rewrite_record(tmp_path / "ds" / name, lambda s: s.__setitem__(slice(None), [x for x in s if x[1] == "g0"]))
     with pytest.raises(DatasetError, match="segments that cover every row"):
+        read_record(LocalStore(tmp_path / "ds"), name)
+
+
+@pytest.mark.parametrize("attempt", ["01", "\u0661", "0", "-1", "1.0", ""])
+def test_an_attempt_not_written_as_tdgather_writes_one_is_refused(tmp_path, attempt):
+    w = DatasetWriter(tmp_path / "ds")
+    w.write(one_frame_each(["a.jpg"], 0))
+    w.commit()
+    (name,) = w.shards
+    path = tmp_path / "ds" / name
+    with safe_open(str(path), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), {**meta, "attempt": attempt})
+    with pytest.raises(DatasetError, match="__metadata__.attempt"):
         read_record(LocalStore(tmp_path / "ds"), name)

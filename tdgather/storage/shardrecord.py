@@ -5,13 +5,16 @@ group, first row, frames). `read_record` checks all of it as `tdgather.open` che
 (header, groups, rows) and gives the segments as four lists, not a dict per filename: resuming a
 run, or combining several writers' shards, reads hundreds of thousands of them.
 
-The segments of the usual record (one group, every item well typed, each segment the next rows)
-are checked a list pass a column; any other record is checked one segment at a time, which also
-names the segment at fault.
+Each segment holds at least one frame, and a filename is in a group of a shard once (tdgather
+writes a filename's frames in one shard as one run of its group's rows). The segments of the
+usual record (one group, every item well typed, each segment the next rows) are checked a list
+pass a column; any other record is checked one segment at a time, which also names the segment
+at fault.
 """
 
 from __future__ import annotations
 
+import re
 from itertools import accumulate
 from typing import NamedTuple
 
@@ -23,6 +26,7 @@ from .store import Store
 __all__ = ["Record", "read_record"]
 
 _MAX = 2**62  # a start or a frame count read from disk (`FieldCheck.int`'s bound)
+_DECIMAL = re.compile(r"[1-9][0-9]*")  # as `str(int)` writes a positive one: no sign, no leading 0, ASCII only
 
 
 class Record(NamedTuple):
@@ -65,8 +69,8 @@ def read_record(store: Store, name: str, required: bool = True) -> Record | None
             raise c.fail("__metadata__.shard", f"{name!r} (its own name: shard files were renamed)", meta.get("shard"))
         run = c.str(meta.get("run"), "__metadata__.run")
         attempt = meta.get("attempt", "")
-        if not (attempt.isdigit() and 0 < int(attempt) < 1 << 31):
-            raise c.fail("__metadata__.attempt", "a positive integer", attempt)
+        if not (_DECIMAL.fullmatch(attempt) and int(attempt) < 1 << 31):
+            raise c.fail("__metadata__.attempt", "a positive integer, in decimal digits", attempt)
         raw = shard_groups(f, c)
         layouts = {g: check_layout(desc, c, f"__metadata__.groups[{g!r}]") for g, desc in raw.items()}
         rows = {g: check_group(f, c, g, layout) for g, layout in layouts.items()}
@@ -93,7 +97,8 @@ def _columns(segments: list, rows: dict[str, int]) -> tuple[list, list, list, li
         or set(map(type, filenames)) != {str}
         or set(map(type, frames)) != {int}
         or set(map(type, starts)) != {int}
-        or not 0 <= min(frames) <= max(frames) <= _MAX
+        or not 0 < min(frames) <= max(frames) <= _MAX
+        or len(set(filenames)) != len(filenames)
         or starts != list(accumulate(frames[:-1], initial=0))  # each the next rows
         or starts[-1] + frames[-1] != rows[group]
         or any(n for g, n in rows.items() if g != group)  # every row covered
@@ -106,12 +111,19 @@ def _one_by_one(c: Check, segments: list, rows: dict[str, int]) -> tuple[list, l
     """Any record's columns, checked a segment at a time; the first fault raises, naming its segment."""
     filenames, groups, starts, frames = [], [], [], []
     covered = dict.fromkeys(rows, 0)
+    seen: dict[tuple[str, str], int] = {}
     for i, seg in enumerate(segments):
         sf = f"__metadata__.segments[{i}]"
         filename, group, start, count = c.list(seg, sf, 4)
         c.str(filename, f"{sf}[0]"), c.int(start, f"{sf}[2]"), c.int(count, f"{sf}[3]")
+        if count == 0:
+            raise c.fail(f"{sf}[3]", "at least 1 frame (tdgather writes no empty segment)", count)
         if group not in rows or start != covered[group]:
             raise c.fail(sf, f"the next rows of a group of this shard ({sorted(rows)})", seg)
+        if (filename, group) in seen:
+            k = seen[filename, group]
+            raise c.fail(sf, f"a filename once in a group (segments[{k}] holds {filename!r} in {group!r})", seg)
+        seen[filename, group] = i
         covered[group] += count
         filenames.append(filename), groups.append(group), starts.append(start), frames.append(count)
     if covered != rows:
