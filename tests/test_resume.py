@@ -4,6 +4,7 @@ run's dataset bit for bit, in real gloo worlds where a rank, or rank dst while w
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -265,6 +266,23 @@ def test_a_shard_edited_by_hand_is_refused_and_nothing_is_changed(tmp_path):
     with pytest.raises(DatasetError, match=r"shard-00000.safetensors.*segments"):
         tdgather.Collector(out, resume=True).open()
     assert shard.exists() and not out.exists()
+
+
+def test_a_filename_listed_with_no_frame_holds_nothing_saved(tmp_path, reference):
+    """An index edited by hand (or an old one) that lists a filename with an empty segment: not saved, resumable."""
+    out = tmp_path / "ds"
+    shutil.copytree(reference, out)
+    index = json.loads((out / "tdgather.index.json").read_text())
+    shard = sorted(index["shards"])[0]
+    empty = {"shard": shard, "group": "g0", "start": 0, "frames": 0}
+    index["files"]["ghost.jpg"] = {"frames": 0, "segments": [empty]}
+    index["metadata"]["num_filenames"] += 1
+    (out / "tdgather.index.json").write_text(json.dumps(index))
+    saved = saved_at(out)
+    assert "ghost.jpg" not in saved and dict(saved).keys() == dict(saved_at(reference)).keys()
+    results = attempt(out, resume=True)
+    assert all(r["todo"] == 0 for r in results)
+    assert_same_dataset(out, reference)
 
 
 def test_a_foreign_file_in_partial_is_refused(tmp_path):

@@ -54,4 +54,5 @@ class RunState:
 
     def to_saved(self) -> Saved:
         """What every rank gets: the frames saved, and each filename's layout."""
-        return Saved({name: runs.flatten().tolist() for name, runs in self.written.items()}, self.layouts)
+        runs = {name: r.flatten().tolist() for name, r in self.written.items()}
+        return Saved(runs, {name: self.layouts[name] for name in runs})  # a name with no frame saved: none

@@ -270,6 +270,8 @@ def _read_frames(store: Store, state: RunState) -> None:
                 pieces.setdefault(name, []).append(idx)
     for name, idx in pieces.items():
         all_idx = torch.cat(idx)
+        if not all_idx.numel():  # listed with no frame (an index edited by hand, or an old one): nothing saved
+            continue
         runs = add_runs(None, all_idx)
         if int((runs[:, 1] - runs[:, 0] + 1).sum()) != all_idx.numel():
             raise DatasetError(store.where, f"files[{name!r}]", "expected each frame once, got a frame in two segments")
