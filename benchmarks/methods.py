@@ -24,6 +24,8 @@ inside the timed call, as it is for tdgather.
 - ``gather_object`` / ``all_gather_object``: torch.distributed's pickling collectives, of the dict.
 - ``td_remote``: tensordict's ``init_remote`` / ``from_remote_init``, one TensorDict per rank
   (jagged leaves stay jagged: tensordict sends their values and offsets).
+- ``td_sorted``: ``td_remote``, then rank 0 joins each layout's rows of every rank and sorts them
+  by (file, frame_idx): every file's frames in order, by hand (no per-file view, no copies dropped).
 - ``td_gather_and_stack``: tensordict's ``gather_and_stack``; only when every sender holds the same
   number of frames of one fixed shape.
 - ``pad_all_gather``: the torchmetrics / accelerate pattern, written inline: all-gather the sizes,
@@ -231,6 +233,26 @@ def td_remote(d: RankData) -> list[TensorDict] | None:
     return None
 
 
+def td_sorted(d: RankData) -> dict[str, TensorDict] | None:
+    """``td_remote``, then rank 0 joins every rank's rows of each layout and sorts them by (file, frame_idx).
+
+    What a user writes by hand with tensordict to hold every file's frames in order (ids per batch,
+    one TensorDict a rank, one sort): the result tdgather gives, less the per-file view and the
+    copies dropped.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank != 0:
+        _rank_tensordict(d).init_remote(dst=0)
+        return None
+    every = [_rank_tensordict(d), *(TensorDict.from_remote_init(src=src) for src in range(1, world))]
+    out = {}
+    for key in sorted({k for td in every for k in td.keys()}):
+        rows = torch.cat([td[key] for td in every if key in td.keys()])
+        order = torch.argsort(rows["file"] * (int(rows["frame_idx"].max()) + 1) + rows["frame_idx"], stable=True)
+        out[key] = rows[order]
+    return out
+
+
 def td_gather_and_stack(d: RankData) -> TensorDict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     _, _, frames = d.batches[0] if d.batches else (None, None, None)
@@ -391,6 +413,7 @@ METHODS: dict[str, Callable[[RankData], object]] = {
     "gather_object": gather_object,
     "all_gather_object": all_gather_object,
     "td_remote": td_remote,
+    "td_sorted": td_sorted,
     "td_gather_and_stack": td_gather_and_stack,
     "pad_all_gather": pad_all_gather,
     "torch_save": torch_save,

@@ -59,6 +59,7 @@ METHODS = {
     "gather_object": "`torch.distributed.gather_object` (pickle)",
     "pad_all_gather": "pad to the largest rank, `all_gather`, trim (torchmetrics, accelerate)",
     "td_remote": "tensordict: `init_remote` / `from_remote_init`",
+    "td_sorted": "tensordict by hand: `init_remote`, then rank 0 sorts the rows by (file, frame_idx)",
     "torch_save": "a `torch.save` per rank, fsynced: writes N files, no ordering",
     "raw_p2p": "limit: raw `send` / `recv` of the same bytes",
     "disk_raw": "limit: one sequential write + fsync of the same bytes",
