@@ -1,5 +1,7 @@
 """The benchmark suite runs and reports (figures are measured there, never asserted here)."""
 
+import re
+
 import pytest
 import torch
 
@@ -171,10 +173,13 @@ def test_seed_smoke(tmp_path):
 def test_many_files_smoke(capsys):
     from benchmarks.many_files import main as many_files
 
-    many_files(["--memory", "3000", "--resume", "400"])
+    many_files(["--memory", "3000", "--resume", "400", "--close", "2000", "--repeats", "2"])
     out = capsys.readouterr().out
     assert "memory 3000 filenames" in out and "(3000 frames)" in out
     assert "resume 400 re-sent filenames" in out and " dropped" in out
+    close = re.search(r"close 2000 one-frame filenames: .*each repeat's ratio (\S+), (\S+) \(median (\S+)x\)", out)
+    assert close is not None, out
+    assert float(close[3]) == pytest.approx((float(close[1]) + float(close[2])) / 2, abs=0.011)
 
 
 @pytest.mark.world
