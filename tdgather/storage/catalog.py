@@ -115,57 +115,50 @@ class Catalog:
     def add_shard(self, shard: str, items: Sequence, segments: Sequence[tuple[str, int, int]]) -> None:
         """Record every item of shard ``shard`` (`tdgather.storage.shards.Item`s) at its ``(group, start, frames)``.
 
-        The same as `add` for each. When every item is seen for the first time, its frames one run
-        from one sender (the usual case), they are recorded column by column, a few list passes for
-        them all; else those items are, and any other goes through `add`.
+        The same as `add` for each. The items seen for the first time, whose frames are one run from
+        one sender (the usual case), are recorded column by column (`extend`), a few list passes for
+        them all (all of them, without a loop an item, when every item is); any other goes through `add`.
         """
         names = [item.name for item in items]
         runs, ranks = [item.runs for item in items], [item.rank for item in items]
         if None not in runs and set(map(type, ranks)) <= {int} and self._all_new(names):
-            self._append_new(
-                names,
-                self._interned([item.layout for item in items], self._layouts, self._layout_ids),
-                runs,
-                [_intern(shard, self._shards, self._shard_ids)] * len(names),
-                self._interned([seg[0] for seg in segments], self._groups, self._group_ids),
-                [seg[1] for seg in segments],
-                [seg[2] for seg in segments],
-                ranks,
-            )
-            return
-        ids, fresh = self.ids, set()  # fresh: the names recorded by this call's columns (a name twice: `add`)
-        fast, slow = [], []
-        layout, k_layout = None, 0  # the last item's: the next is usually alike
-        for item, seg in zip(items, segments, strict=True):
-            if item.layout is not layout:
-                layout, k_layout = item.layout, self._intern_layout(item.layout)
-            new = item.runs is not None and type(item.rank) is int and item.name not in ids and item.name not in fresh
-            if new:
-                fresh.add(item.name)
-            (fast if new else slow).append((item, seg, k_layout))
-        if fast:
-            self._add_new(shard, fast)
-        for item, (group, start, frames), _ in slow:
+            new, segs, slow = items, segments, []
+        else:
+            new, segs, slow = self._split_new(items, segments)
+            names, runs, ranks = [i.name for i in new], [i.runs for i in new], [i.rank for i in new]
+        self.extend(
+            names,
+            [item.layout for item in new],
+            [shard] * len(names),
+            [seg[0] for seg in segs],
+            [seg[1] for seg in segs],
+            [seg[2] for seg in segs],
+            runs,
+            ranks,
+        )
+        for item, (group, start, frames) in slow:
             segment = {"shard": shard, "group": group, "start": start, "frames": frames}
             self.add(item.name, item.layout, segment, item.idx, item.runs, item.rank)
+
+    def _split_new(self, items: Sequence, segments: Sequence) -> tuple[list, list, list]:
+        """The items `extend` takes (new here and in this call, one run, one sender), their segments; the rest."""
+        new, segs, slow, fresh = [], [], [], set()  # fresh: names taken by this call (a name twice: `add`)
+        for item, seg in zip(items, segments, strict=True):
+            if (
+                item.runs is not None
+                and type(item.rank) is int
+                and item.name not in self.ids
+                and item.name not in fresh
+            ):
+                fresh.add(item.name)
+                new.append(item), segs.append(seg)
+            else:
+                slow.append((item, seg))
+        return new, segs, slow
 
     def _all_new(self, names: list[str]) -> bool:
         """Whether ``names`` are distinct and none is recorded yet."""
         return self.ids.keys().isdisjoint(names) and len(set(names)) == len(names)
-
-    def _add_new(self, shard: str, rows: list[tuple]) -> None:
-        """Filenames seen for the first time, one segment each: ``(item, (group, start, frames), layout number)``."""
-        segs = [seg for _, seg, _ in rows]
-        self._append_new(
-            [item.name for item, _, _ in rows],
-            [lay for _, _, lay in rows],
-            [item.runs for item, _, _ in rows],
-            [_intern(shard, self._shards, self._shard_ids)] * len(rows),
-            self._interned([seg[0] for seg in segs], self._groups, self._group_ids),
-            [seg[1] for seg in segs],
-            [seg[2] for seg in segs],
-            [item.rank for item, _, _ in rows],
-        )
 
     def _append_new(
         self,
@@ -269,11 +262,13 @@ class Catalog:
         starts: list[int],
         frames: list[int],
         runs: list[tuple[int, int]] | None = None,
+        ranks: list[int] | None = None,
     ) -> None:
-        """Filenames not recorded yet, one segment each, column by column, their senders not known.
+        """Filenames not recorded yet, one segment each, column by column.
 
         ``runs``: each one's frame_idx written, as ``(lo, hi)``; default: not known (``(0, -1)``), as
-        for frames nothing later compares against (a writer's shards combined at close).
+        for frames nothing later compares against (a writer's shards combined at close). ``ranks``:
+        each one's sender; default: not known (`UNKNOWN`).
         """
         self._append_new(
             names,
@@ -283,7 +278,7 @@ class Catalog:
             self._interned(groups, self._groups, self._group_ids),
             starts,
             frames,
-            [UNKNOWN] * len(names),
+            [UNKNOWN] * len(names) if ranks is None else ranks,
         )
 
     def load(

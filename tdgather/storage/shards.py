@@ -33,7 +33,7 @@ import torch
 from ..core.flatten import flatten
 from ..core.frames import Layout
 from ..core.ragged import Ragged, joined, offsets_of
-from ..format.limits import RECORD_BYTES, SHARD_HEADER_MAX, segment_record_bytes
+from ..format.limits import SHARD_HEADER_MAX, records_bytes, segment_record_bytes
 from ..format.names import SHARD_VERSION, group_names
 from .catalog import UNKNOWN
 
@@ -169,11 +169,9 @@ def fill(items: list[Item], max_shard_bytes: int) -> list[list[Item]]:
     A shard's bytes count its tensors and frame indexes; its header holds its filenames' records (many long
     filenames: that limit comes first). A shard holds at least one item.
     """
-    names = "".join(item.name for item in items)
-    if names.isascii() and names.isprintable() and '"' not in names and "\\" not in names:  # one record each
-        header = len(names) + RECORD_BYTES * len(items)  # `segment_record_bytes`, for all of them at once
-        if header <= SHARD_HEADER_MAX and sum(item.nbytes + 8 * item.n for item in items) <= max_shard_bytes:
-            return [items] if items else []
+    header = records_bytes([item.name for item in items])  # all of them in one shard, when they fit
+    if header <= SHARD_HEADER_MAX and sum(item.nbytes + 8 * item.n for item in items) <= max_shard_bytes:
+        return [items] if items else []
     shards: list[list[Item]] = [[]]
     size = header = 0
     for item in items:

@@ -339,8 +339,8 @@ class DatasetWriter:
             if self._combine_new(sorted(set(sums) - set(self.shards)), sums):
                 return DuplicateCounts()
             state = from_shards(store, names, policy=self.policy, frames=False, fixed=self.fixed)
-        for name, entry in state.shards.items():  # each shard's size and checksum, as its writer put it
-            entry.update({k: sums[name][k] for k in ("size", "sha256", "crc32") if k in sums[name]})
+        for name, entry in state.shards.items():
+            entry.update(_as_written(sums[name]))
         self.shards, self.catalog = state.shards, Catalog()
         self.catalog.load(state.files, state.layouts, state.written)
         return state.duplicates
@@ -360,7 +360,7 @@ class DatasetWriter:
             return False
         for name, r in zip(others, records, strict=True):
             entry = {"frames": sum(r.rows.values()), "bytes": r.nbytes, "groups": r.groups}
-            self.shards[name] = entry | {k: sums[name][k] for k in ("size", "sha256", "crc32") if k in sums[name]}
+            self.shards[name] = entry | _as_written(sums[name])
             self.catalog.extend(
                 r.filenames,
                 [r.layouts[g] for g in r.segment_groups],
@@ -476,6 +476,11 @@ class DatasetWriter:
         for piece in self.catalog.json_chunks():
             yield piece.encode()
         yield b"}"
+
+
+def _as_written(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A shard's size and checksums, as its writer put it (a report's entry, or this writer's own)."""
+    return {k: entry[k] for k in ("size", "sha256", "crc32") if k in entry}
 
 
 def _recorded_crc32(store: Store, run: str) -> dict[str, tuple[int, int]]:
