@@ -3,7 +3,8 @@
 `tdgather.comm.shm.Arena`: the batches of a chunk's one layout, a single tensor leaf, go back to back
 into a kept shm file, where the data message lays out their rows; the send then copies nothing of
 them. Wherever a batch does not lie at its offset (another layout first, a small batch before it),
-the chunk is copied into another shm file as before, and the arena's goes back to the ring.
+the chunk is copied into another shm file as before, and the arena's goes back to the ring. While
+every ring file is held, the arena is a one-shot file, sent once.
 """
 
 from __future__ import annotations
@@ -108,15 +109,48 @@ def test_batches_past_the_arena_or_of_a_second_layout_are_kept_as_before(shm):
     writer.cleanup()
 
 
-def test_without_room_for_an_arena_batches_are_kept_as_before(shm):
-    writer = ShmWriter(ring=0)  # no shm file kept: no arena
+def test_with_every_ring_file_held_batches_go_once_into_a_file_sent_once(shm):
+    writer = ShmWriter(ring=0)  # no ring file free: a one-shot file, not a copy into memory of its own first
+    store = FrameStore(arena=writer.arena(8 << 20))
+    store.add(["v.mp4"] * 8, torch.arange(8), batch(0))
+    one_shot = store.arena.kept
+    assert one_shot is not None and not one_shot.ring
+    assert one_shot.allocated < one_shot.size  # pages allocated as the batches come, not the whole arena
+    header, data = sent(store, writer)
+    assert header["name"] == one_shot.path.name and not header.get("keep")  # rank dst unlinks it as it maps it
+    assert header["size"] < one_shot.size and not one_shot.path.exists()
+    assert torch.equal(data[: batch(0).nbytes].view(torch.float32).view(8, 3, 32, 32), batch(0))
+    store.arena.release()
+    writer.cleanup()
+    assert list(shm.iterdir()) == []
+
+
+def test_a_one_shot_file_its_chunk_was_not_sent_in_is_removed(shm):
+    writer = ShmWriter(ring=0)
+    store = FrameStore(arena=writer.arena(8 << 20))
+    store.add(["w.mp4"] * 8, torch.arange(8), batch(9, shape=(5,), dtype=torch.float64))  # not in place
+    store.add(["v.mp4"] * 8, torch.arange(8), batch(0))
+    one_shot = store.arena.kept
+    header, data = sent(store, writer)
+    assert header["name"] != one_shot.path.name and one_shot.path.exists()
+    store.arena.release()  # the sends are done: the file the chunk was not sent in goes
+    assert not one_shot.path.exists()
+    assert torch.equal(data[data.numel() - batch(0).nbytes :].view(torch.float32).view(8, 3, 32, 32), batch(0))
+    writer.cleanup()
+    assert list(shm.iterdir()) == []
+
+
+def test_without_room_for_an_arena_batches_are_kept_as_before(shm, monkeypatch):
+    writer = ShmWriter()
+    monkeypatch.setenv("TDGATHER_SHM_SPARE", str(1 << 62))  # no room for an shm file: no arena, and gloo
     store = FrameStore(arena=writer.arena(8 << 20))
     store.add(["v.mp4"] * 8, torch.arange(8), batch(0))
     assert store.arena.kept is None
-    header, data = sent(store, writer)
-    assert not header.get("keep") and torch.equal(
-        data[: batch(0).nbytes].view(torch.float32).view(8, 3, 32, 32), batch(0)
-    )
+    ch = Channel()
+    send_frames(ch, pack(store), Joiner(reuse=False), writer, store.arena)
+    assert "shm" not in ch.headers[0]
+    wanted = batch(0).reshape(-1).view(torch.uint8)
+    assert any(p.numel() == wanted.numel() and torch.equal(p, wanted) for p in ch.pieces)
     writer.cleanup()
 
 
@@ -133,7 +167,9 @@ def test_a_chunk_sent_over_gloo_from_its_arena_keeps_the_file_until_the_sends_ar
     in_flight = [p for p in ch.pieces if p.numel() == batch(0).nbytes]
     assert len(in_flight) == 1  # the batch goes from the arena's file, as it lies there: no copy
     monkeypatch.delenv("TDGATHER_SHM_SPARE")
-    assert writer.arena(8 << 20).take(object(), 64) is None  # the file is not the next chunk's while in flight
+    held = writer.arena(8 << 20)
+    assert held.take(object(), 64) is not None and not held.kept.ring  # the file is not the next chunk's in flight
+    held.release()
     assert torch.equal(in_flight[0].view(torch.float32).view(8, 3, 32, 32), batch(0))
     arena.release()  # the sends are done
     nxt = writer.arena(8 << 20)

@@ -23,12 +23,14 @@ that held its rows is written) hands it back by renaming it ``<name>.free``; a s
 shm file back by renaming it to its name again (`ShmWriter.write`). A sender never waits for
 one: with none handed back, the chunk goes into a new shm file, unlinked by rank dst as it maps it.
 
-An arena (`Arena`): a Collector's sender may claim a ring file when its chunk begins, and `add`
-copies each batch straight into it, where the data message will lay its rows out; the chunk is then
-sent in that file with nothing more copied (one copy per byte on the sender, into memory touched
-before). `ShmWriter.write` checks that every batch there lies at its offset; if one does not, the
-chunk is copied into another file (or, with no room for one, goes over gloo), and the arena's file
-goes back to the ring once those sends are done.
+An arena (`Arena`): a Collector's sender claims a ring file when its chunk begins (a new one-shot
+shm file while rank dst holds every ring file), and `add` copies each batch straight into it, where
+the data message will lay its rows out; the chunk is then sent in that file with nothing more
+copied (one copy per byte on the sender). Its pages are allocated as the batches fill it
+(`ShmWriter.allocate`), never written before. `ShmWriter.write` checks that every batch there
+lies at its offset; if one does not, the chunk is copied into another file (or, with no room for
+one, goes over gloo), and once those sends are done the arena's file goes back to the ring (a
+one-shot file is removed).
 
 Lifetime: an shm file is written whole before its header is sent, so a sender killed mid-write
 loses only that chunk. A sender removes at close whatever of its own rank dst did not take, and
@@ -85,6 +87,7 @@ log = logging.getLogger("tdgather")
 SHM_NAME = re.compile(r"tdgather-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{8})-([0-9]{1,12})")
 FREE = ".free"  # a kept shm file rank dst has handed back: ``<name>.free``
 RING = 3  # shm files a sender keeps and writes again (``TDGATHER_SHM_RING``)
+ALLOCATE_STEP = 4 << 20  # an arena's pages are allocated this many bytes at a time
 
 
 _said: set[str] = set()  # the fall-backs logged by this process (one line each)
@@ -122,12 +125,19 @@ def host_token() -> str | None:
 
 @dataclass
 class _Kept:
-    """An shm file of the ring: its file (open), this sender's mapping of it, and its size."""
+    """An shm file of the ring: its file (open), this sender's mapping of it, its size, and its bytes allocated.
+
+    The bytes from 0 to ``allocated`` have their pages (`ShmWriter.allocate`); those after are a hole
+    of the file, never written before they are allocated. Not ``ring``: an arena's file made while
+    every ring file was held, sent once (rank dst unlinks it) or removed.
+    """
 
     path: Path
     fd: int
     mm: mmap.mmap
     size: int
+    allocated: int
+    ring: bool = True
 
 
 def ring_size() -> int:
@@ -159,14 +169,37 @@ class ShmWriter:
         return Arena(self, size)
 
     def claim(self, size: int) -> _Kept | None:
-        """A kept shm file of at least ``size`` bytes, for an arena: one handed back, or a new one; else None."""
+        """An shm file of at least ``size`` bytes for an arena; None where the directory has no room.
+
+        One of the ring (handed back, or new), else a new one-shot file: while every ring file is
+        held, the batches still go into memory rank dst maps, copied once.
+
+        A new file's pages are allocated as the arena takes them (`Arena.take`), not at once: a chunk
+        fills about half its arena, and a new page costs more than the copy into it.
+        """
         if self.dir is None or not size:
             return None
         with self._lock:
             kept = self._handed_back(size, grow=False)
             if kept is None and len(self.kept) < self.ring:
-                kept = self._new_kept(size)
+                kept = self._new_kept(size, allocate=False)
+        if kept is None and (made := self._create(size, allocate=False)) is not None:
+            kept = _Kept(made[0], made[1], mmap.mmap(made[1], size, access=mmap.ACCESS_WRITE), size, 0, ring=False)
+            self._made(kept.path)
         return kept
+
+    def allocate(self, kept: _Kept, upto: int) -> bool:
+        """Allocate ``kept``'s pages up to byte ``upto``; False if the directory has no room for them."""
+        if kept.allocated >= upto:
+            return True
+        upto = min(kept.size, -(-upto // ALLOCATE_STEP) * ALLOCATE_STEP)  # not a system call per small batch
+        try:
+            self._room(upto - kept.allocated)
+            os.posix_fallocate(kept.fd, kept.allocated, upto - kept.allocated)  # ENOSPC here, never a SIGBUS
+        except OSError:
+            return False
+        kept.allocated = upto
+        return True
 
     def write(
         self, pieces: list[list[torch.Tensor]], offsets: list[int], size: int, arena: Arena | None = None
@@ -182,11 +215,13 @@ class ShmWriter:
         """
         if self.dir is None:
             return None
-        if arena is not None and arena.kept is not None and size <= arena.kept.size:
-            if arena.in_place(pieces, offsets):
-                _fill(arena.kept.mm, pieces, offsets)  # the batches in place already are not copied
-                arena.sent = True  # rank dst hands it back
-                return arena.kept.path.name, True
+        kept = arena.kept if arena is not None else None
+        if kept is not None and size <= kept.size and arena.in_place(pieces, offsets) and self.allocate(kept, size):
+            _fill(kept.mm, pieces, offsets)  # the batches in place already are not copied
+            if not kept.ring:  # rank dst maps exactly the announced size, and unlinks it
+                os.ftruncate(kept.fd, size)
+            arena.sent = True
+            return kept.path.name, kept.ring
         return self._write(pieces, offsets, size)
 
     def _write(self, pieces: list[list[torch.Tensor]], offsets: list[int], size: int) -> tuple[str, bool] | None:
@@ -210,36 +245,41 @@ class ShmWriter:
                     _fill(mm, pieces, offsets)
         finally:
             os.close(fd)
-        if len(self.made) >= 64:  # those rank dst took are gone: keep only what may still need removing
-            self.made = [p for p in self.made if p.exists()]
-        self.made.append(path)
+        self._made(path)
         return path.name, False
 
-    def _new_kept(self, size: int) -> _Kept | None:
-        """A new shm file of the ring (None: no room, logged)."""
-        made = self._create(size)
+    def _made(self, path: Path) -> None:
+        """A one-shot shm file: removed at `cleanup` unless rank dst took it."""
+        with self._lock:
+            if len(self.made) >= 64:  # those rank dst took are gone: keep only what may still need removing
+                self.made = [p for p in self.made if p.exists()]
+            self.made.append(path)
+
+    def _new_kept(self, size: int, allocate: bool = True) -> _Kept | None:
+        """A new shm file of the ring, its pages allocated or (not ``allocate``) a hole; None: no room, logged."""
+        made = self._create(size, allocate)
         if made is None:
             return None
         path, fd = made
-        kept = _Kept(path, fd, mmap.mmap(fd, size, access=mmap.ACCESS_WRITE), size)
+        kept = _Kept(path, fd, mmap.mmap(fd, size, access=mmap.ACCESS_WRITE), size, size if allocate else 0)
         self.kept.append(kept)
         return kept
 
-    def _create(self, size: int) -> tuple[Path, int] | None:
-        """A new shm file of ``size`` bytes, its pages allocated (a full directory: None, and a log line)."""
+    def _create(self, size: int, allocate: bool = True) -> tuple[Path, int] | None:
+        """A new shm file of ``size`` bytes, its pages allocated unless not ``allocate`` (no room: None, logged)."""
         assert self.dir is not None
         with self._lock:  # a number of its own, whichever thread makes it
             path = self.dir / f"tdgather-{os.getpid()}-{pid_namespace()}-{self.token}-{self.number}"
             self.number += 1
         try:
-            self._room(size)
+            self._room(size if allocate else 0)
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as e:
             self._fall_back(e)
             return None
         try:
             os.ftruncate(fd, size)
-            if size:
+            if size and allocate:
                 os.posix_fallocate(fd, 0, size)  # its pages now: a full directory is ENOSPC here, never a SIGBUS
         except OSError as e:  # the directory filled up meanwhile
             os.close(fd)
@@ -258,7 +298,11 @@ class ShmWriter:
             )
 
     def _handed_back(self, size: int, grow: bool = True) -> _Kept | None:
-        """A kept shm file rank dst has let go of, taken back (grown to ``size`` if need be and ``grow``); or None."""
+        """A kept shm file rank dst has let go of, taken back; or None.
+
+        With ``grow`` (a chunk is written into it whole), grown to ``size`` if need be and its pages
+        allocated up to there; else (an arena's) one of at least ``size`` bytes, as it is.
+        """
         for kept in self.kept:
             if kept.size < size and not grow:
                 continue
@@ -266,16 +310,16 @@ class ShmWriter:
                 os.rename(kept.path.with_name(kept.path.name + FREE), kept.path)
             except OSError:  # not handed back (yet)
                 continue
+            if not grow:
+                return kept
             if kept.size < size:
-                try:
-                    self._room(size - kept.size)
+                with contextlib.suppress(OSError):
                     os.ftruncate(kept.fd, size)
-                    os.posix_fallocate(kept.fd, 0, size)
-                except OSError:  # no room to grow it: it waits for a smaller chunk
-                    os.rename(kept.path, kept.path.with_name(kept.path.name + FREE))
-                    return None
-                # the old mapping is not closed: views of it (a sent chunk's) may be alive; it goes with the last
-                kept.mm, kept.size = mmap.mmap(kept.fd, size, access=mmap.ACCESS_WRITE), size
+                    # the old mapping is not closed: views of it (a sent chunk's) may be alive; it goes with the last
+                    kept.mm, kept.size = mmap.mmap(kept.fd, size, access=mmap.ACCESS_WRITE), size
+            if kept.size < size or not self.allocate(kept, size):  # no room to grow it: it waits for a smaller chunk
+                os.rename(kept.path, kept.path.with_name(kept.path.name + FREE))
+                return None
             return kept
         return None
 
@@ -323,7 +367,8 @@ class Arena:
     fit in its file; from the first it cannot take, it takes none (later rows would not lie where
     the message puts them). `ShmWriter.write` sends its file only if every batch lies at its
     offset, else copies the chunk into another one (or it goes over gloo, from the batches where
-    they lie); the sender then hands the arena's file back to the ring once the sends are done.
+    they lie); the sender then hands the arena's file back to the ring once the sends are done
+    (`release`). The file is one of the ring, or a one-shot file when every ring file is held.
     """
 
     def __init__(self, writer: ShmWriter, size: int) -> None:
@@ -345,7 +390,11 @@ class Arena:
                 self.closed = True
                 return None
             self.key, self._base = key, torch.frombuffer(self.kept.mm, dtype=torch.uint8)
-        if key is not self.key or self.at + nbytes > self.kept.size:
+        if (
+            key is not self.key
+            or self.at + nbytes > self.kept.size
+            or not self.writer.allocate(self.kept, self.at + nbytes)
+        ):
             self.closed = True
             return None
         out, self.at = self._base[self.at : self.at + nbytes], self.at + nbytes
@@ -364,10 +413,19 @@ class Arena:
         return True
 
     def release(self) -> None:
-        """Once the chunk's sends are done: a file the chunk was not sent in goes back to the ring."""
-        if self.kept is not None and not self.sent:
-            _hand_back(self.kept.path)
-        self.closed = True
+        """Once the chunk's sends are done: a ring file the chunk was not sent in goes back to the ring.
+
+        A one-shot file is closed here (rank dst maps it by name), and removed if the chunk was not sent in it.
+        """
+        kept, self.closed = self.kept, True
+        if kept is None or kept.ring:
+            if kept is not None and not self.sent:
+                _hand_back(kept.path)
+            return
+        with contextlib.suppress(OSError):
+            os.close(kept.fd)
+        if not self.sent:
+            self.writer.remove(kept.path)
 
 
 def _hand_back(path: Path) -> None:
