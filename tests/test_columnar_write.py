@@ -14,9 +14,11 @@ from safetensors import safe_open
 
 import tdgather
 from tdgather.core.flatten import flatten
+from tdgather.core.merge import Merged
+from tdgather.core.plan import Group
 from tdgather.format.limits import SHARD_HEADER_MAX, segment_record_bytes
 from tdgather.storage.catalog import Catalog
-from tdgather.storage.shards import Item, fill
+from tdgather.storage.shards import Item, Slice, fill, whole_files
 from tdgather.storage.writer import DatasetWriter
 
 
@@ -199,3 +201,85 @@ def test_shards_are_cut_where_the_next_item_would_pass_a_limit(names, max_bytes,
             over_bytes = size + nxt.nbytes + 8 * nxt.n > max_bytes
             assert over_bytes or header + segment_record_bytes(nxt.name) > SHARD_HEADER_MAX
     assert len(shards) == count
+
+
+def whole_file_outputs(case: str) -> dict[str, list]:
+    """Fixed-size frames, each filename one run of frame_idx: one image a filename, or videos from odd starts."""
+    if case == "videos":
+        return {
+            f"v{i:03d}.mp4": [(s, torch.full((3,), float(i * 100 + s))) for s in range(i % 5, i % 5 + 1 + i % 29)]
+            for i in range(40)
+        }
+    return {  # a dict output: two fixed leaves of two dtypes
+        f'img_{i:05d}"é.jpg': [(0, {"x": torch.full((4,), float(i)), "k": torch.tensor([i, -i])})] for i in range(3000)
+    }
+
+
+def shard_records(path) -> list[tuple[str, str]]:
+    """Each shard's ``groups`` and ``segments`` metadata, in shard order."""
+    out = []
+    for shard in sorted(tdgather.open(path).index["shards"]):
+        with safe_open(str(path / shard), "pt") as f:
+            meta = f.metadata()
+        out.append((meta["groups"], meta["segments"]))
+    return out
+
+
+@pytest.mark.parametrize(
+    "case,max_bytes", [("images", 1 << 30), ("images", 4000), ("videos", 1 << 30), ("videos", 300)]
+)
+def test_whole_files_write_the_shards_items_write(tmp_path, case, max_bytes):
+    """The usual write, cut and laid out in columns (`whole_files`), is what one item a filename writes."""
+    gathered = tdgather.gather(whole_file_outputs(case))
+    slices = whole_files(gathered, {}, set(), max_bytes)
+    assert slices is not None and all(isinstance(s, Slice) for s in slices)  # the columnar path is taken
+    assert (len(slices) > 1) == (max_bytes < 1 << 30)
+    per_file = {name: gathered[name] for name in gathered}  # `Frames` a filename: items
+    catalogs = {}
+    for name, frames in (("columns", gathered), ("items", per_file)):
+        w = DatasetWriter(tmp_path / name, max_shard_bytes=max_bytes)
+        w.write(frames)
+        catalogs[name] = w.catalog
+        w.commit({})
+    a, b = shard_tensors(tmp_path / "columns"), shard_tensors(tmp_path / "items")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert shard_records(tmp_path / "columns") == shard_records(tmp_path / "items")
+    cols, items = catalogs["columns"], catalogs["items"]
+    assert "".join(cols.json_chunks()) == "".join(items.json_chunks())
+    for name in gathered:  # the frames written, as later writes compare against them
+        assert torch.equal(cols.written(name), items.written(name)) and cols.layout(name) == items.layout(name)
+    ds = tdgather.open(tmp_path / "columns")
+    assert len(ds) == len(gathered) and ds.index["metadata"]["total_frames"] == sum(
+        g.num_frames for g in gathered.groups
+    )
+    name = sorted(gathered)[-1]
+    assert torch.equal(ds[name].frame_idx, gathered[name].frame_idx)
+
+
+def test_only_the_usual_write_is_taken_in_columns(tmp_path):
+    videos = whole_file_outputs("videos")
+    gathered = tdgather.gather(videos)
+    assert whole_files(gathered, {}, {"v007.mp4"}, 1 << 30) is None  # a filename written before
+    assert whole_files(gathered, {"v007.mp4": {0}}, set(), 1 << 30) is None  # ranks given
+    gaps = tdgather.gather({"a.mp4": [(0, torch.zeros(3)), (2, torch.zeros(3))], "b.mp4": [(0, torch.zeros(3))]})
+    assert whole_files(gaps, {}, set(), 1 << 30) is None  # frames 0 and 2: not one run
+    ragged = tdgather.gather({"a.mp4": [(0, torch.zeros(3))], "b.mp4": [(0, torch.zeros(5))]})
+    assert ragged.groups[0].layout.ragged and whole_files(ragged, {}, set(), 1 << 30) is None
+    two = tdgather.gather({"a.mp4": [(0, torch.zeros(3))], "b.mp4": [(0, {"x": torch.zeros(3)})]})
+    assert len(two.groups) == 2 and whole_files(two, {}, set(), 1 << 30) is None  # two layouts
+    labels = tdgather.gather({"a.mp4": [(0, {"x": torch.zeros(3), "label": "cat"})]})
+    assert whole_files(labels, {}, set(), 1 << 30) is None  # a JSON leaf
+    g = gathered.groups[0]
+    rows = torch.zeros(g.num_frames, dtype=torch.int32)
+    rows[g.starts[3] + 1] = 1  # one frame of the fourth video from another rank
+    spread = Group(g.layout, g.files, g.counts, g.frame_idx, g.leaves, g.json, rows)
+    assert whole_files(Merged([spread]), {}, set(), 1 << 30) is None
+    one = Group(g.layout, g.files, g.counts, g.frame_idx, g.leaves, g.json, torch.zeros_like(rows))
+    assert [s.ranks for s in whole_files(Merged([one]), {}, set(), 1 << 30)] == [[0] * len(g.files)]
+    w = DatasetWriter(tmp_path / "ds")
+    w.write(gathered)
+    w.write(tdgather.gather(videos))  # every frame again: by items, each copy compared and dropped
+    frames = sum(len(v) for v in videos.values())
+    assert w.duplicates.exact == w.duplicates.dropped == frames and w.frames == frames
+    w.commit({})
+    assert tdgather.open(tmp_path / "ds").index["metadata"]["total_frames"] == frames

@@ -19,6 +19,11 @@ A write's frames go through here in this order (`tdgather.storage.writer.Dataset
    bytes (`frame_bytes`) or the header's limit on its filenames' records;
 4. `shard_tensors` lays out one shard: its groups, its tensor entries (as
    `tdgather.format.codec.encode` takes them), and each filename's segment.
+
+The usual write skips the items (`whole_files`): one group of fixed-size tensor leaves whose
+every filename is new, one run of frame_idx from one sender (a job of one image per filename, or
+of whole videos per rank). Its shards are then `Slice`s, files ``lo:hi`` of the group, cut and
+laid out column by column: the same shards, bytes for bytes, without an object per filename.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from ..format.limits import SHARD_HEADER_MAX, records_bytes, segment_record_byte
 from ..format.names import SHARD_VERSION, group_names
 from .catalog import UNKNOWN
 
-__all__ = ["Item", "fill", "frame_bytes", "items_of", "shard_tensors", "take"]
+__all__ = ["Item", "Slice", "fill", "frame_bytes", "items_of", "shard_tensors", "shard_totals", "take", "whole_files"]
 
 
 class Item(NamedTuple):
@@ -169,28 +174,92 @@ def fill(items: list[Item], max_shard_bytes: int) -> list[list[Item]]:
     A shard's bytes count its tensors and frame indexes; its header holds its filenames' records (many long
     filenames: that limit comes first). A shard holds at least one item.
     """
-    header = records_bytes([item.name for item in items])  # all of them in one shard, when they fit
-    if header <= SHARD_HEADER_MAX and sum(item.nbytes + 8 * item.n for item in items) <= max_shard_bytes:
-        return [items] if items else []
-    shards: list[list[Item]] = [[]]
-    size = header = 0
-    for item in items:
-        nbytes = item.nbytes + 8 * item.n
-        record = segment_record_bytes(item.name)  # many long filenames: the header's limit comes first
-        if shards[-1] and (size + nbytes > max_shard_bytes or header + record > SHARD_HEADER_MAX):
-            shards.append([])
+    names = [item.name for item in items]
+    sizes = [item.nbytes + 8 * item.n for item in items]
+    return [items[a:b] for a, b in _cuts(names, sizes, max_shard_bytes)]
+
+
+def _cuts(names: list[str], sizes: list[int], max_shard_bytes: int) -> list[tuple[int, int]]:
+    """`fill`'s shards as ``[a, b)`` spans of filenames ``names``, whose frames take ``sizes`` bytes each."""
+    if not names:
+        return []
+    if records_bytes(names) <= SHARD_HEADER_MAX and sum(sizes) <= max_shard_bytes:  # all in one shard
+        return [(0, len(names))]
+    cuts, size, header = [0], 0, 0
+    for k, (name, nbytes) in enumerate(zip(names, sizes, strict=True)):
+        record = segment_record_bytes(name)  # many long filenames: the header's limit comes first
+        if k > cuts[-1] and (size + nbytes > max_shard_bytes or header + record > SHARD_HEADER_MAX):
+            cuts.append(k)
             size = header = 0
-        shards[-1].append(item)
         size += nbytes
         header += record
-    return [shard for shard in shards if shard]
+    return list(zip(cuts, [*cuts[1:], len(names)], strict=True))
 
 
-def shard_tensors(shard: list) -> tuple[dict, list, list]:
+class Slice(NamedTuple):
+    """A shard of whole files, in columns: files ``lo:hi`` of a gathered group (`whole_files`).
+
+    Each file's frame_idx is one run (``runs``, as `Item.runs`) from one sender (``ranks``), and no
+    file was written before.
+    """
+
+    group: Any
+    lo: int
+    hi: int
+    runs: list[tuple[int, int]]
+    ranks: list[int]
+
+    @property
+    def names(self) -> list[str]:
+        """Its filenames, sorted."""
+        return self.group.files[self.lo : self.hi]
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """Its rows of the group's buffers, ``[a, b)``."""
+        g = self.group
+        return g.starts[self.lo], g.starts[self.hi - 1] + g.counts[self.hi - 1]
+
+    @property
+    def n(self) -> int:
+        """Its frames."""
+        a, b = self.rows
+        return b - a
+
+    @property
+    def nbytes(self) -> int:
+        """Its frames' tensor bytes (fixed-size leaves only)."""
+        return self.n * self.group.layout.frame_nbytes
+
+
+def whole_files(frames: Any, ranks: Mapping[str, set[int]], known: Any, max_shard_bytes: int) -> list[Slice] | None:
+    """The shards of a write in columns, as `fill` cuts them, or None: not the usual write (then items).
+
+    The usual write: ``frames`` has one group with frames, of fixed-size tensor leaves, every file
+    one run of frame_idx from one sender, no ``ranks`` given, and no filename in ``known`` (the
+    filenames written before).
+    """
+    groups = [g for g in getattr(frames, "groups", None) or () if g.files]
+    if ranks or len(groups) != 1:
+        return None
+    g = groups[0]
+    if g.layout.ragged or g.layout.nontensor or min(g.counts) < 1 or not known.isdisjoint(g.files):
+        return None
+    runs, senders = _runs_per_file(g), _senders_per_file(g, {})
+    if None in runs or not set(map(type, senders)) <= {int}:
+        return None
+    row = g.layout.frame_nbytes + 8  # a frame's tensor bytes and its frame_idx
+    cuts = _cuts(g.files, [row * n for n in g.counts], max_shard_bytes)
+    return [Slice(g, a, b, runs[a:b], senders[a:b]) for a, b in cuts]
+
+
+def shard_tensors(shard: list[Item] | Slice) -> tuple[dict, list, list]:
     """Group a shard's filenames by layout; return group descriptions, tensor entries and each one's segment.
 
     A segment is ``(group, start, frames)``, in the order of ``shard``.
     """
+    if isinstance(shard, Slice):
+        return _slice_tensors(shard)
     by_layout: dict[Layout, list[int]] = {}  # each layout's items, by their place in the shard
     layout, places = None, []  # the last item's (the next is usually alike: no hash a filename)
     for k, item in enumerate(shard):
@@ -230,6 +299,25 @@ def shard_tensors(shard: list) -> tuple[dict, list, list]:
             entries.append((name, torch.uint8, (blob.numel(),), [blob]))
             entries.append((names.offsets(name), torch.int64, (row + 1,), [offsets]))
     return groups, entries, segments
+
+
+def shard_totals(shard: list[Item] | Slice) -> tuple[list[str], int, int]:
+    """A shard's filenames (in order), frames and frame bytes."""
+    if isinstance(shard, Slice):
+        return shard.names, shard.n, shard.nbytes
+    return [item.name for item in shard], sum(item.n for item in shard), sum(item.nbytes for item in shard)
+
+
+def _slice_tensors(shard: Slice) -> tuple[dict, list, list]:
+    """`shard_tensors` of a `Slice`: one group ``g0``, its rows one piece of each of the group's buffers."""
+    g, (a, b) = shard.group, shard.rows
+    names = group_names("g0", g.layout, int(SHARD_VERSION))
+    starts = [start - a for start in g.starts[shard.lo : shard.hi]]
+    segments = list(zip(["g0"] * len(starts), starts, g.counts[shard.lo : shard.hi], strict=True))
+    entries = [(names.frame_idx, torch.int64, (b - a,), [g.frame_idx[a:b]])]
+    for name, leaf, t in zip(names.leaves, g.layout.leaves, g.leaves, strict=True):
+        entries.append((name, leaf.dtype, (b - a, *leaf.shape), [t[a:b]]))
+    return {"g0": g.layout.to_json()}, entries, segments
 
 
 def _runs(items: list[Item]) -> list[tuple[int, int]]:

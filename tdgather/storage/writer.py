@@ -27,7 +27,6 @@ import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +54,7 @@ from .output import Output, output_at
 from .runstate import RunState
 from .scan import from_shards
 from .shardrecord import read_record
-from .shards import Item, fill, items_of, shard_tensors
+from .shards import Item, Slice, fill, items_of, shard_tensors, shard_totals, whole_files
 from .store import Store, digest
 
 __all__ = ["DEFAULT_SHARD_BYTES", "DatasetWriter"]
@@ -216,21 +215,20 @@ class DatasetWriter:
             return self._write(frames, ranks or {}, mismatches)
 
     def _write(self, frames: Any, ranks: Mapping[str, set[int]], mismatches: Mismatches | None) -> list[str]:
-        items = self._drop_written(items_of(frames, ranks), mismatches)
-        return [self._write_shard(shard) for shard in fill(items, self.max_shard_bytes)]
+        shards = whole_files(frames, ranks, self.catalog.ids.keys(), self.max_shard_bytes)  # the usual: columns
+        if shards is None:
+            shards = fill(self._drop_written(items_of(frames, ranks), mismatches), self.max_shard_bytes)
+        return [self._write_shard(shard) for shard in shards]
 
-    def _write_shard(self, shard: list[Item]) -> str:
+    def _write_shard(self, shard: list[Item] | Slice) -> str:
         name_of_shard = shard_name(self.writer, self._next_shard, self._tag)
         self._next_shard += 1
         groups, entries, segments = shard_tensors(shard)
-        record = [[item.name, *s] for item, s in zip(shard, segments, strict=True)]
+        names, frames, nbytes = shard_totals(shard)
+        record = [[name, *s] for name, s in zip(names, segments, strict=True)]
         meta = ShardRecord(name_of_shard, groups, record, self.run, self.attempt).to_metadata()
         chunks = encode(entries, meta)
-        entry = {
-            "frames": sum(map(attrgetter("n"), shard)),
-            "bytes": sum(map(attrgetter("nbytes"), shard)),
-            "groups": groups,
-        }
+        entry = {"frames": frames, "bytes": nbytes, "groups": groups}
         if self.write_threads > 1:
             self._room_to_write()
             self._writing.append((name_of_shard, self._putter.submit(self.out.store.put, name_of_shard, chunks)))
@@ -238,7 +236,12 @@ class DatasetWriter:
             written = self.out.store.put(name_of_shard, chunks, then=self._in_background(name_of_shard))
             entry.update(written.entry())  # size (and sha256), listed in the index
         self._mine.append(name_of_shard)
-        self.catalog.add_shard(name_of_shard, shard, segments)
+        if isinstance(shard, Slice):  # new filenames, one run from one sender each: recorded as columns
+            in_group, starts, counts = (list(column) for column in zip(*segments, strict=True))
+            layouts, shards = [shard.group.layout] * len(names), [name_of_shard] * len(names)
+            self.catalog.extend(names, layouts, shards, in_group, starts, counts, shard.runs, shard.ranks)
+        else:
+            self.catalog.add_shard(name_of_shard, shard, segments)
         self.shards[name_of_shard] = entry
         return name_of_shard
 
