@@ -22,6 +22,7 @@ into their places by `tdgather.core.scatter`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -277,11 +278,10 @@ def keep_first_layouts(groups: list[Group], mismatches: Mismatches) -> list[Grou
 
 
 def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
-    names = sorted({n for p in parts for n in p.names})
-    fid = {n: i for i, n in enumerate(names)}
-    fids = torch.cat(
-        [torch.tensor([fid.get(n, -1) for n in p.files], dtype=torch.int64).index_select(0, p.file_ids) for p in parts]
-    )
+    # filenames in order of the parts (each usually sorted already: a sort then only merges the runs)
+    names = sorted(dict.fromkeys(chain.from_iterable(p.names for p in parts)))
+    fid = dict(zip(names, range(len(names)), strict=True))
+    fids = torch.cat([torch.tensor(_ids(fid, p), dtype=torch.int64).index_select(0, p.file_ids) for p in parts])
     idx = torch.cat([p.frame_idx for p in parts])
     sizes = [p.num_frames for p in parts]
     total = idx.numel()
@@ -339,6 +339,13 @@ def _place_layout(layout: Layout, parts: list[Part]) -> Placement:
         leaf_dest,
         first_rank,
     )
+
+
+def _ids(fid: dict[str, int], part: Part) -> list[int]:
+    """Each of the part's files' number in ``fid``; -1 for a file no row uses (not there)."""
+    if len(part.names) == len(part.files):  # every file used: each one is there
+        return list(map(fid.__getitem__, part.files))
+    return [fid.get(n, -1) for n in part.files]
 
 
 def _sorted_rows(
