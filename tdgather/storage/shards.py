@@ -136,10 +136,15 @@ def _runs_per_file(g: Any) -> list[tuple[int, int] | None]:
     """For each file of a group, ``(lo, hi)`` when its frame_idx (sorted, distinct) are the run lo..hi, else None."""
     if not g.frame_idx.numel():
         return [None] * len(g.files)
+    lo, hi, one_run = _run_ends(g)
+    return [(a, b) if ok else None for a, b, ok in zip(lo.tolist(), hi.tolist(), one_run.tolist(), strict=True)]
+
+
+def _run_ends(g: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each file's first and last frame_idx, and whether its frames are the run between (a group with frames)."""
     starts, counts = torch.tensor(g.starts, dtype=torch.int64), torch.tensor(g.counts, dtype=torch.int64)
     lo, hi = g.frame_idx[starts], g.frame_idx[starts + counts - 1]
-    one_run = (hi - lo + 1 == counts) & (counts > 0)
-    return [(a, b) if ok else None for a, b, ok in zip(lo.tolist(), hi.tolist(), one_run.tolist(), strict=True)]
+    return lo, hi, (hi - lo + 1 == counts) & (counts > 0)
 
 
 def _senders_per_file(g: Any, ranks: Mapping[str, set[int]]) -> list[Any]:
@@ -147,17 +152,25 @@ def _senders_per_file(g: Any, ranks: Mapping[str, set[int]]) -> list[Any]:
 
     The ranks given for a filename come first; else the group's ``rank`` of each row, where it has one.
     """
-    rank = getattr(g, "rank", None)
-    if ranks or rank is None or not rank.numel():
+    bounds = None if ranks else _sender_bounds(g)
+    if bounds is None:
         return [_one_rank(ranks.get(name)) for name in g.files]
-    counts = torch.tensor(g.counts, dtype=torch.int64)
-    file_of = torch.repeat_interleave(torch.arange(len(g.files)), counts)
-    low = torch.full((len(g.files),), 1 << 30, dtype=torch.int32).scatter_reduce(0, file_of, rank, "amin")
-    high = torch.full((len(g.files),), -1, dtype=torch.int32).scatter_reduce(0, file_of, rank, "amax")
+    low, high = bounds
     return [
-        a if a == b else rank[s : s + n]
+        a if a == b else g.rank[s : s + n]
         for a, b, s, n in zip(low.tolist(), high.tolist(), g.starts, g.counts, strict=True)
     ]
+
+
+def _sender_bounds(g: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each file's lowest and highest sender (from the group's ``rank`` a row); None where rows carry none."""
+    rank = getattr(g, "rank", None)
+    if rank is None or not rank.numel():
+        return None
+    file_of = torch.repeat_interleave(torch.arange(len(g.files)), torch.tensor(g.counts, dtype=torch.int64))
+    low = torch.full((len(g.files),), 1 << 30, dtype=torch.int32).scatter_reduce(0, file_of, rank, "amin")
+    high = torch.full((len(g.files),), -1, dtype=torch.int32).scatter_reduce(0, file_of, rank, "amax")
+    return low, high
 
 
 def take(item: Item, rows: torch.Tensor) -> Item:
@@ -245,9 +258,12 @@ def whole_files(frames: Any, ranks: Mapping[str, set[int]], known: Any, max_shar
     g = groups[0]
     if g.layout.ragged or g.layout.nontensor or min(g.counts) < 1 or not known.isdisjoint(g.files):
         return None
-    runs, senders = _runs_per_file(g), _senders_per_file(g, {})
-    if None in runs or not set(map(type, senders)) <= {int}:
+    lo, hi, one_run = _run_ends(g)
+    bounds = _sender_bounds(g)
+    if not bool(one_run.all()) or (bounds is not None and not torch.equal(*bounds)):
         return None
+    runs = list(zip(lo.tolist(), hi.tolist(), strict=True))
+    senders = [UNKNOWN] * len(g.files) if bounds is None else bounds[0].tolist()
     row = g.layout.frame_nbytes + 8  # a frame's tensor bytes and its frame_idx
     cuts = _cuts(g.files, [row * n for n in g.counts], max_shard_bytes)
     return [Slice(g, a, b, runs[a:b], senders[a:b]) for a, b in cuts]
