@@ -9,6 +9,9 @@ every ring file is held, the arena is a one-shot file, sent once.
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
 
@@ -175,3 +178,28 @@ def test_a_chunk_sent_over_gloo_from_its_arena_keeps_the_file_until_the_sends_ar
     nxt = writer.arena(8 << 20)
     assert nxt.take(object(), 64) is not None and nxt.kept.path == arena.kept.path  # now it is
     writer.cleanup()
+
+
+def test_a_one_shot_file_never_sent_is_closed_and_removed_at_cleanup(shm):
+    """A run that fails before the chunk is sent: the sender's cleanup lets go of the file's memory too."""
+    writer = ShmWriter(ring=0)
+    store = FrameStore(arena=writer.arena(8 << 20))
+    store.add(["v.mp4"] * 8, torch.arange(8), batch(0))
+    path = str(store.arena.kept.path)
+    assert path in open_files()
+    writer.cleanup()  # no send, no release
+    assert list(shm.iterdir()) == []
+    del store  # the batches' views of its mapping go (the mapping holds a descriptor of its own until then)
+    gc.collect()
+    assert not any(path in f for f in open_files())  # a descriptor held open would keep its pages until exit
+
+
+def open_files() -> list[str]:
+    """What this process's descriptors point at (Linux: ``/proc/self/fd``)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the descriptor listdir used, closed since
+            pass
+    return out

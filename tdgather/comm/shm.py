@@ -160,6 +160,7 @@ class ShmWriter:
         self.number = 0
         self.made: list[Path] = []
         self.kept: list[_Kept] = []
+        self.one_shot: list[_Kept] = []  # arenas' one-shot files still open here (`Arena.release` closes them)
         self.ring = ring_size() if ring is None else ring
         self.warned = False
         self._lock = threading.RLock()  # the loop's thread claims arenas, the send thread writes chunks
@@ -186,7 +187,20 @@ class ShmWriter:
         if kept is None and (made := self._create(size, allocate=False)) is not None:
             kept = _Kept(made[0], made[1], mmap.mmap(made[1], size, access=mmap.ACCESS_WRITE), size, 0, ring=False)
             self._made(kept.path)
+            with self._lock:
+                self.one_shot.append(kept)
         return kept
+
+    def close_one_shot(self, kept: _Kept, sent: bool) -> None:
+        """An arena's one-shot file is done with here: closed (rank dst maps it by name); removed unless ``sent``."""
+        with self._lock:
+            if kept not in self.one_shot:
+                return
+            self.one_shot.remove(kept)
+        with contextlib.suppress(OSError):
+            os.close(kept.fd)
+        if not sent:
+            self.remove(kept.path)
 
     def allocate(self, kept: _Kept, upto: int) -> bool:
         """Allocate ``kept``'s pages up to byte ``upto``; False if the directory has no room for them."""
@@ -335,6 +349,8 @@ class ShmWriter:
 
     def cleanup(self) -> None:
         """Remove every shm file it made that rank dst did not take (it unlinks those it maps), and the ring."""
+        for kept in list(self.one_shot):  # an arena whose chunk was never sent (the run failed): its memory too
+            self.close_one_shot(kept, sent=False)
         for path in self.made:
             self.remove(path)
         self.made.clear()
@@ -418,14 +434,10 @@ class Arena:
         A one-shot file is closed here (rank dst maps it by name), and removed if the chunk was not sent in it.
         """
         kept, self.closed = self.kept, True
-        if kept is None or kept.ring:
-            if kept is not None and not self.sent:
-                _hand_back(kept.path)
-            return
-        with contextlib.suppress(OSError):
-            os.close(kept.fd)
-        if not self.sent:
-            self.writer.remove(kept.path)
+        if kept is not None and not kept.ring:
+            self.writer.close_one_shot(kept, self.sent)
+        elif kept is not None and not self.sent:
+            _hand_back(kept.path)
 
 
 def _hand_back(path: Path) -> None:
