@@ -182,13 +182,8 @@ class ShmWriter:
             return None
         with self._lock:
             kept = self._handed_back(size, grow=False)
-            if kept is None and len(self.kept) < self.ring:
-                kept = self._new_kept(size, allocate=False)
-        if kept is None and (made := self._create(size, allocate=False)) is not None:
-            kept = _Kept(made[0], made[1], mmap.mmap(made[1], size, access=mmap.ACCESS_WRITE), size, 0, ring=False)
-            self._made(kept.path)
-            with self._lock:
-                self.one_shot.append(kept)
+            if kept is None:
+                kept = self._new_kept(size, allocate=False, ring=len(self.kept) < self.ring)
         return kept
 
     def close_one_shot(self, kept: _Kept, sent: bool) -> None:
@@ -269,14 +264,21 @@ class ShmWriter:
                 self.made = [p for p in self.made if p.exists()]
             self.made.append(path)
 
-    def _new_kept(self, size: int, allocate: bool = True) -> _Kept | None:
-        """A new shm file of the ring, its pages allocated or (not ``allocate``) a hole; None: no room, logged."""
+    def _new_kept(self, size: int, allocate: bool = True, ring: bool = True) -> _Kept | None:
+        """A new shm file of the ring, its pages allocated or (not ``allocate``) a hole; None: no room, logged.
+
+        Not ``ring``: an arena's one-shot file, removed at `cleanup` unless rank dst took it.
+        """
         made = self._create(size, allocate)
         if made is None:
             return None
         path, fd = made
-        kept = _Kept(path, fd, mmap.mmap(fd, size, access=mmap.ACCESS_WRITE), size, size if allocate else 0)
-        self.kept.append(kept)
+        kept = _Kept(path, fd, mmap.mmap(fd, size, access=mmap.ACCESS_WRITE), size, size if allocate else 0, ring)
+        if ring:
+            self.kept.append(kept)
+        else:
+            self._made(path)
+            self.one_shot.append(kept)
         return kept
 
     def _create(self, size: int, allocate: bool = True) -> tuple[Path, int] | None:
