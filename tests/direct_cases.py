@@ -66,10 +66,12 @@ def case_gather(env: dict, variant: str = "plain", dst: int = 0, frames_per_file
 
 
 def _kill_mid_write() -> None:
-    """From now on, this rank SIGKILLs itself halfway through its first row scatter into a mapped buffer.
+    """From now on, this rank SIGKILLs itself halfway through writing its rows into rank 0's result.
 
-    Rows go there by an index copy (killed with half its rows in), or, a dict's large frames one row
-    each, by a `torch.cat` into each run of places (killed before the fourth run, three in).
+    Large runs of rows go there by ``os.pwritev`` into rank 0's memfds (killed before the fourth
+    call, three in); small ones through a mapping, by an index copy (killed with half its rows in),
+    or, a dict's frames one row each, by a `torch.cat` into each run of places (killed before the
+    fourth run, three in).
     """
     import signal
 
@@ -94,7 +96,15 @@ def _kill_mid_write() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return real_index_copy(self, dim, index, source)
 
-    torch.frombuffer, torch.Tensor.index_copy_, torch.cat = frombuffer, index_copy_, cat
+    real_pwritev = os.pwritev
+
+    def pwritev(fd, buffers, offset, *args):
+        state["runs"] += 1
+        if state["runs"] == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_pwritev(fd, buffers, offset, *args)
+
+    torch.frombuffer, torch.Tensor.index_copy_, torch.cat, os.pwritev = frombuffer, index_copy_, cat, pwritev
 
 
 def case_sender_killed_mid_write(env: dict, frames_per_file: int = 30) -> dict | None:
@@ -119,3 +129,41 @@ def case_sender_killed_mid_write(env: dict, frames_per_file: int = 30) -> dict |
             assert torch.equal(got[name].frames, expected(name, torch.tensor(kept[name]), BIG)["logits"]), name
         return {"type": type(e).__name__, "rank": e.rank, "kept": kept}
     return {"type": None}
+
+
+def case_collections_while_sending(env: dict) -> dict:
+    """A sender with the cyclic collector set off by every allocation: do collections run in its work?
+
+    Returns, per rank, how many collections started inside tdgather's work of a send (a frame of
+    ``tdgather/comm`` or ``tdgather/core`` on the stack below one of ``tdgather/api/send.py``:
+    packing, writing in place, waiting for rank dst), and whether the collector is on after.
+    """
+    import gc
+    import sys
+
+    os.environ.update(env)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {f"v{k}.mp4": [(i, torch.full((25, 1000), float(i))) for i in range(rank, 60, world)] for k in range(4)}
+    inside = []
+    sending = os.path.join("tdgather", "api", "send.py")
+    work = (os.path.join("tdgather", "comm", ""), os.path.join("tdgather", "core", ""))
+
+    def seen(phase: str, info: dict) -> None:
+        files = []
+        frame = sys._getframe(1)
+        while frame is not None:
+            files.append(frame.f_code.co_filename)
+            frame = frame.f_back
+        if phase == "start" and any(f.endswith(sending) for f in files):
+            if any(w in f for f in files for w in work):
+                inside.append(info["generation"])
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # a collection at (nearly) every allocation
+    gc.callbacks.append(seen)
+    try:
+        out = tdgather.gather(mine)
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*threshold)
+    return {"inside": len(inside), "enabled": gc.isenabled(), "in_place": out.stats.written_in_place if out else None}

@@ -60,7 +60,16 @@ def test_a_sender_killed_mid_write_loses_only_its_own_frames(shm):
     assert out[2]["type"] == "PeerError"
 
 
-ROW, SIZE = 4096, 32768  # bytes a frame, of the memfd
+@pytest.mark.world
+def test_no_collection_runs_while_a_sender_sends(shm):
+    out = run_local_world(dc.case_collections_while_sending, 3, {"TDGATHER_SHM_DIR": str(shm)}, timeout=120)
+    # a full collection walks every object of the process: amid a write in place it cost a sender 0.2 s
+    assert out[0] == {"inside": 0, "enabled": True, "in_place": 2}
+    assert out[1] == out[2] == {"inside": 0, "enabled": True, "in_place": None}
+
+
+ROW, SIZE = 4096, 32768  # bytes a frame, of the result
+END = 16 * 4096  # the memfds' bytes: SIZE in 16 regions of whole pages
 
 
 def _memory_and_place(shm) -> tuple[ResultMemory, dict, list]:
@@ -69,20 +78,30 @@ def _memory_and_place(shm) -> tuple[ResultMemory, dict, list]:
     store.add("a.mp4", [0, 1, 2, 3], torch.arange(4096, dtype=torch.float32).view(4, 4, 256))
     parts = store.parts(1)
     memory = ResultMemory()
-    assert memory.fd is not None and memory.arena(SIZE)
+    assert memory.fds and memory.arena(SIZE) and memory.data.numel() == END
     buffers = [[memory.take((6, 4, 256), torch.float32)]]
     place = memory.place(buffers, [(0, torch.tensor([5, 0, 2, 1]))])
     return memory, place, parts
 
 
-def test_a_sender_writes_where_rank_dst_says(shm):
-    memory, place, parts = _memory_and_place(shm)
+@pytest.mark.parametrize(
+    "width", [256, 1024, 8192]
+)  # rows of 4 KiB (copied through a mapping), 16 and 128 KiB (pwritev)
+def test_a_sender_writes_where_rank_dst_says(shm, width):
+    frames = torch.arange(16 * width, dtype=torch.float32).view(4, 4, width)
+    store = FrameStore()
+    store.add("a.mp4", [0, 1, 2, 3], frames)
+    parts = store.parts(1)
+    memory = ResultMemory()
+    assert memory.arena(8 * frames[0].numel() * 4)
+    result = memory.take((6, 4, width), torch.float32)
+    place = memory.place([[result]], [(0, torch.tensor([5, 0, 3, 4]))], first=0.5)
     target = Target.open(memory.ready(), parts * 100)  # (more than a MiB: worth writing in place)
     assert target is not None
     target.write(place, parts, 0)
     target.close()
-    result = memory.data[: 6 * ROW].view(torch.float32).view(6, 4, 256)
-    assert torch.equal(result[[5, 0, 2, 1]], torch.arange(4096, dtype=torch.float32).view(4, 4, 256))
+    assert torch.equal(result[[5, 0, 3, 4]], frames)
+    assert not result[[1, 2]].any()  # nothing written elsewhere
     memory.close()
 
 
@@ -100,10 +119,14 @@ def _tamper(place: dict, path: tuple, value) -> dict:
 @pytest.mark.parametrize(
     "path,value,field",
     [
-        (("size",), 2 * SIZE, "header.place.size"),  # not the memfd's size
+        (("size",), 2 * END, "header.place.size"),  # not the memfds' size
+        (("region",), 8192, "header.place.size"),  # nor the regions'
+        (("first",), 1.0, "header.place.first"),  # not a fraction of the rows
+        (("first",), "0", "header.place.first"),
         (("groups",), [], "header.place.groups"),  # not one per part
         (("groups", 0, "dest"), [6 * ROW, 3], "header.place.groups[0].dest"),  # not this rank's 4 rows
-        (("groups", 0, "dest"), [SIZE, 4], "header.place.groups[0].dest"),  # past the end
+        (("groups", 0, "dest"), [END, 4], "header.place.groups[0].dest"),  # past the end
+        (("groups", 0, "dest"), [END - 8, 4], "header.place.groups[0].dest"),  # across the end
         (("groups", 0, "dest"), [8, 4], "header.place.groups[0].dest"),  # not aligned
         (("groups", 0, "leaves", 0), [0, 6, 12], "header.place.groups[0].leaves[0]"),  # rows of another size
         (("groups", 0, "leaves", 0), [0, 200, ROW], "header.place.groups[0].leaves[0]"),  # rows past the end
@@ -124,6 +147,16 @@ def test_a_place_answer_is_checked_before_anything_is_written(shm, path, value, 
     memory.close()
 
 
+def test_regions_that_are_not_the_memfds_are_refused(shm):
+    memory, place, parts = _memory_and_place(shm)
+    target = Target.open(memory.ready(), parts * 100)
+    assert target is not None
+    with pytest.raises(ProtocolError, match="header.place.region"):  # sizes that agree, but not the files'
+        target.write({**place, "size": 2 * END, "region": 2 * END // 16}, parts, 0)
+    target.close()
+    memory.close()
+
+
 def test_no_memfd_of_another_host_or_process_is_opened(shm, tmp_path, monkeypatch):
     memory, place, parts = _memory_and_place(shm)
     many = parts * 100
@@ -131,6 +164,10 @@ def test_no_memfd_of_another_host_or_process_is_opened(shm, tmp_path, monkeypatc
     assert Target.open({**ready, "host": "another"}, many) is None
     assert Target.open({**ready, "memfd": {**ready["memfd"], "name": "tdgather-result-" + "0" * 16}}, many) is None
     assert Target.open({**ready, "memfd": {**ready["memfd"], "name": "../x"}}, many) is None
+    fds = ready["memfd"]["fds"]
+    assert Target.open({**ready, "memfd": {**ready["memfd"], "fds": fds[1:] + fds[:1]}}, many) is None  # out of order
+    assert Target.open({**ready, "memfd": {**ready["memfd"], "fds": [*fds, fds[0]]}}, many) is None  # too many
+    assert Target.open({**ready, "memfd": {**ready["memfd"], "fds": [0, *fds[1:]]}}, many) is None  # not a memfd
     assert Target.open(ready, parts) is None  # 16 KB: not worth a round trip
     monkeypatch.setenv("TDGATHER_SHM", "0")
     assert Target.open(ready, many) is None

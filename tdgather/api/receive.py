@@ -253,17 +253,22 @@ class Receive:
             for part, dest, leaf_dest in zip(members, placement.dest, placement.leaf_dest, strict=True):
                 self.where[(part.rank, id(part))] = Placed(part, buffers, landed, dest, leaf_dest)
         if in_memory:
-            for p in writers:
+            for k, p in enumerate(writers, 1):  # rank dst writes its own from its first row; writer k from k/(n+1)
                 placed = [self.where[(p, id(q))] for q in self.parts[p]]
                 buffers = [q.buffers for q in placed]  # each part's own entry: numbered as the parts are
-                self.places[p] = self.memory.place(buffers, [(i, q.dest) for i, q in enumerate(placed)])
+                dests = [(i, q.dest) for i, q in enumerate(placed)]
+                self.places[p] = self.memory.place(buffers, dests, first=k / (len(writers) + 1))
 
     def _land_local(self) -> None:
         for part in self.parts[self.rank]:
             placed = self.where.get((self.rank, id(part)))
-            if placed is not None:
+            if placed is None:
+                continue
+            if self.memory is not None:
+                self.memory.land(placed.buffers, placed.leaf_dest, part.chunks)
+            else:
                 scatter_chunks(placed.buffers, placed.leaf_dest, part.chunks)
-                placed.mark_landed(placed.dest)
+            placed.mark_landed(placed.dest)
 
     def _result(self) -> Gathered:
         if self.late:
