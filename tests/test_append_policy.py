@@ -251,7 +251,7 @@ def test_copies_within_one_job_are_resolved_as_without_append(tmp_path):
             col.add(["n"], [7], [value("n", 7)])
             col.add(["n"], [7], [value("n", 7) + 1])
     message = str(raised.value)
-    assert message.startswith("filename 'n', frame_idx 7: ranks 0 and 0 sent values that differ")
+    assert message.startswith("filename 'n', frame_idx 7: rank 0, in two copies, sent values that differ")
     assert "DistributedSampler padding" in message and "the job of run" not in message
     assert state(path) == before
 

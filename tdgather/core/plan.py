@@ -217,7 +217,8 @@ class Placement:
             k = int(verdict.refused.nonzero()[0])
             row = int(self.kept[k])
             name = self.files[int(torch.searchsorted(torch.tensor(self.counts).cumsum(0), row, right=True))]
-            who = f"ranks {int(self.kept_rank[k])} and {int(self.later_rank[k])}"
+            a, b = int(self.kept_rank[k]), int(self.later_rank[k])
+            who = f"ranks {a} and {b}" if a != b else f"rank {a}, in two copies,"
             raise conflict(name, int(self.frame_idx[row]), verdict.describe(k), policy, who)
         return verdict.counts
 
