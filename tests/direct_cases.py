@@ -127,7 +127,10 @@ def case_sender_killed_mid_write(env: dict, frames_per_file: int = 30) -> dict |
         kept = {name: got[name].frame_idx.tolist() for name in got}
         for name in names:
             assert torch.equal(got[name].frames, expected(name, torch.tensor(kept[name]), BIG)["logits"]), name
-        return {"type": type(e).__name__, "rank": e.rank, "kept": kept}
+        stats = got.stats
+        per_rank = [stats.frames_per_rank[r] for r in range(world)]
+        kept_bytes = stats.bytes == stats.frames * math.prod(BIG) * 4
+        return {"type": type(e).__name__, "rank": e.rank, "kept": kept, "per_rank": per_rank}, kept_bytes
     return {"type": None}
 
 

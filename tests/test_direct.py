@@ -54,9 +54,11 @@ def test_a_sender_killed_mid_write_loses_only_its_own_frames(shm):
         run_local_world(dc.case_sender_killed_mid_write, 3, {"TDGATHER_SHM_DIR": str(shm)}, timeout=120)
     assert list(e.value.failures) == [1] and "exited with code -9" in e.value.failures[1]  # killed
     out = e.value.results
-    assert out[0]["type"] == "PeerLostError" and out[0]["rank"] == 1
-    # ranks 0 and 2's frames, bit for bit; none of rank 1's, though half its rows were written
-    assert out[0]["kept"] == {f"v{k}.mp4": [i for i in range(30) if i % 3 != 1] for k in range(4)}
+    got, bytes_of_kept = out[0]
+    assert got["type"] == "PeerLostError" and got["rank"] == 1
+    # ranks 0 and 2's frames, bit for bit; none of rank 1's, though some of its rows were written
+    assert got["kept"] == {f"v{k}.mp4": [i for i in range(30) if i % 3 != 1] for k in range(4)}
+    assert got["per_rank"] == [40, 0, 40] and bytes_of_kept  # the stats count what arrived
     assert out[2]["type"] == "PeerError"
 
 

@@ -86,7 +86,7 @@ def test_exact_and_close_policies_refuse_naming_file_frame_ranks_and_difference(
         merge(parts, DuplicatePolicy("close", atol=0.5))
     assert merge(parts, DuplicatePolicy("close", atol=2.0)).duplicates.inexact == 1
     parts, _ = parts_of({"a": a + [(0, a[0][1] * 2)]})
-    with pytest.raises(DuplicateFrameError, match=r"frame_idx 0: ranks 0 and 0 sent"):
+    with pytest.raises(DuplicateFrameError, match=r"frame_idx 0: rank 0, in two copies, sent"):
         merge(parts, "exact")
 
 

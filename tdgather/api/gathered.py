@@ -18,9 +18,11 @@ class GatherStats:
 
     Attributes:
         frames: frames in the result.
-        bytes: tensor bytes received (every copy, duplicates included).
+        bytes: tensor bytes received (every copy, duplicates included; of a rank that failed
+            part-way, only its frames that arrived).
         duplicates_dropped: copies of a frame dropped (``duplicates.exact + duplicates.inexact``).
-        frames_per_rank: frames each rank sent.
+        frames_per_rank: frames of each rank that arrived (every one it sent, unless it failed
+            part-way: then only those in ``.received``).
         seconds: the call's duration on rank ``dst``.
         duplicates: the copies dropped, exact and inexact, with the largest absolute difference.
         pieces: payload pieces received from the peers.

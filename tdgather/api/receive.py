@@ -284,12 +284,23 @@ class Receive:
                 groups.append(placement.salvage(buffers, landed))
         return self._gathered(keep_first_layouts(groups, self.mismatches), found)
 
+    def _arrived(self, rank: int, part: Part) -> tuple[int, int]:
+        """A part's frames and tensor bytes that reached rank dst: those of its rows that landed.
+
+        All of them, unless its sender failed part-way (then the result leaves the others out).
+        """
+        placed = None if self.late else self.where.get((rank, id(part)))
+        if placed is None:  # merged as it came: what is in the part arrived
+            return part.num_frames, part.nbytes
+        got = placed.landed[placed.dest]
+        return int(got.sum()), part.nbytes_of(got)
+
     def _gathered(self, groups: list[Group], found: DuplicateCounts) -> Gathered:
-        per_rank = {r: sum(p.num_frames for p in ps) for r, ps in self.parts.items()}
-        all_parts = [p for ps in self.parts.values() for p in ps]
+        arrived = {r: [self._arrived(r, p) for p in ps] for r, ps in self.parts.items()}
+        per_rank = {r: sum(n for n, _ in a) for r, a in arrived.items()}
         stats = GatherStats(
             frames=sum(g.num_frames for g in groups),
-            bytes=sum(p.nbytes for p in all_parts),
+            bytes=sum(b for a in arrived.values() for _, b in a),
             duplicates_dropped=found.dropped,
             frames_per_rank=per_rank,
             seconds=time.perf_counter() - self.start,

@@ -55,6 +55,15 @@ class Part:
         ]
         return self.num_frames * self.layout.frame_nbytes + sum(values)
 
+    def nbytes_of(self, rows: torch.Tensor) -> int:
+        """Tensor bytes of the frames ``rows`` (a bool per frame) picks."""
+        values = [
+            int(n[rows].sum()) * leaf.row_nbytes
+            for leaf, n in zip(self.layout.leaves, self.lengths, strict=False)
+            if n is not None
+        ]
+        return int(rows.sum()) * self.layout.frame_nbytes + sum(values)
+
     def ranks(self) -> torch.Tensor:
         """int32 ``[n]``: each row's sender."""
         if self.row_rank is not None:
