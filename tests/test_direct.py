@@ -149,6 +149,26 @@ def test_a_place_answer_is_checked_before_anything_is_written(shm, path, value, 
     memory.close()
 
 
+def test_every_parts_row_places_are_checked_before_any_row_is_written(shm):
+    store = FrameStore()
+    store.add("a.mp4", [0, 1], torch.ones(2, 8192))  # 32 KiB rows: written with pwritev
+    store.add("b.mp4", [0, 1], torch.ones(2, 4, dtype=torch.int64))
+    parts = store.parts(1)
+    memory = ResultMemory()
+    assert memory.arena(1 << 20)
+    a, b = memory.take((2, 8192), torch.float32), memory.take((2, 4), torch.int64)
+    place = memory.place([[a], [b]], [(0, torch.tensor([0, 1])), (1, torch.tensor([1, 0]))])
+    at = place["groups"][1]["dest"][0]
+    memory.data[at : at + 16].view(torch.int64)[1] = 2  # the second part's row places: row 2 of 2 rows
+    target = Target.open(memory.ready(), parts * 100)
+    assert target is not None
+    with pytest.raises(ProtocolError, match=r"header\.place\.groups\[1\]\.dest"):
+        target.write(place, parts, 0)
+    assert not a.any() and not b.any()  # not even the first part's rows
+    target.close()
+    memory.close()
+
+
 def test_regions_that_are_not_the_memfds_are_refused(shm):
     memory, place, parts = _memory_and_place(shm)
     target = Target.open(memory.ready(), parts * 100)

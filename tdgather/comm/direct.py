@@ -253,9 +253,12 @@ class Target:
         named = enumerate(zip(groups, parts, strict=True))
         spans = [_spans(c, f"header.place.groups[{i}]", g, part, size) for i, (g, part) in named]  # all, first
         files = Files(self.fds, region)
+        dests = [
+            _places(c, f"header.place.groups[{i}].dest", files, at, part.num_frames, leaves)
+            for i, (part, (at, leaves)) in enumerate(zip(parts, spans, strict=True))
+        ]  # every part's, checked before any row is written
         mapped = []  # (part, its row places, leaves, the leaves copied through a mapping)
-        for i, (part, (at, leaves)) in enumerate(zip(parts, spans, strict=True)):
-            dest = _places(c, f"header.place.groups[{i}].dest", files, at, part.num_frames, leaves)
+        for part, (_, leaves), dest in zip(parts, spans, dests, strict=True):
             nbytes = [leaf.row_nbytes for leaf in part.layout.leaves]
             by_map = write_leaves(files, [s for s, _ in leaves], nbytes, [dest] * len(leaves), part.chunks, first)
             if by_map:
