@@ -289,8 +289,8 @@ class Receive:
 
         All of them, unless its sender failed part-way (then the result leaves the others out).
         """
-        placed = None if self.late else self.where.get((rank, id(part)))
-        if placed is None:  # merged as it came: what is in the part arrived
+        placed = None if self.late or not self.errors else self.where.get((rank, id(part)))
+        if placed is None:  # nothing failed, or merged as it came: what is in the part arrived
             return part.num_frames, part.nbytes
         got = placed.landed[placed.dest]
         return int(got.sum()), part.nbytes_of(got)

@@ -159,7 +159,7 @@ class ResultMemory:
         for k, dest in dests:
             at = self.take((dest.numel(),), torch.int64)
             at.copy_(dest)
-            leaves = [[self._offset(b), b.shape[0], math.prod(b.shape[1:]) * b.element_size()] for b in buffers[k]]
+            leaves = [[self._offset(b), b.shape[0], _row_nbytes(b)] for b in buffers[k]]
             groups.append({"dest": [self._offset(at), dest.numel()], "leaves": leaves})
         size = self.data.numel() if self.data is not None else 0
         return {"size": size, "region": self.region, "first": first, "groups": groups}
@@ -173,7 +173,7 @@ class ResultMemory:
         rest = list(range(len(buffers)))
         if self.data is not None and chunks:
             starts = [self._offset(b) if type(b) is torch.Tensor and b.numel() else None for b in buffers]
-            nbytes = [math.prod(b.shape[1:]) * b.element_size() if type(b) is torch.Tensor else 0 for b in buffers]
+            nbytes = [_row_nbytes(b) if type(b) is torch.Tensor else 0 for b in buffers]
             rest = write_leaves(Files(self.fds, self.region), starts, nbytes, dests, chunks)
         if rest:
             scatter_chunks([buffers[j] for j in rest], [dests[j] for j in rest], [[c[j] for j in rest] for c in chunks])
@@ -188,6 +188,10 @@ class ResultMemory:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.fds = []
+
+
+def _row_nbytes(b: torch.Tensor) -> int:
+    return math.prod(b.shape[1:]) * b.element_size()
 
 
 def result_nbytes(shapes: list[tuple[tuple[int, ...], torch.dtype]], dests: list[int]) -> int:
@@ -316,14 +320,10 @@ def _spans(c: ProtocolCheck, f: str, g: Any, part: Part, size: int) -> tuple[int
 
 def _places(c: ProtocolCheck, field: str, files: Files, at: int, n: int, leaves: list[tuple[int, int]]) -> torch.Tensor:
     """A part's ``n`` row places, read from the memfds (rank dst cannot change them after) and checked."""
-    raw = bytearray(n * 8)
-    got = 0
-    while got < len(raw):  # (they may cross into the next file)
-        f, within = divmod(at + got, files.region)
-        k = os.preadv(files.fds[f], [memoryview(raw)[got : got + files.region - within]], within)
-        if k <= 0:
-            raise c.fail(field, f"{n} row places at byte {at}", "a short read")
-        got += k
+    try:
+        raw = files.read(at, n * 8)  # (they may cross into the next file)
+    except OSError as e:
+        raise c.fail(field, f"{n} row places at byte {at}", str(e)) from e
     dest = torch.frombuffer(raw, dtype=torch.int64) if n else torch.empty(0, dtype=torch.int64)
     rows = min((r for _, r in leaves), default=0)
     if n and (int(dest.min()) < 0 or int(dest.max()) >= rows):

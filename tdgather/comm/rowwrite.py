@@ -15,6 +15,7 @@ into a mapping places any number of small rows (`PWRITE_RUN`).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,24 @@ class Files:
 
     fds: list[int]
     region: int
+
+    def pieces(self, off: int, n: int) -> Iterator[tuple[int, int, int]]:
+        """Bytes ``off .. off + n`` as ``(file number, offset in it, bytes)``, split where a file ends."""
+        while n > 0:
+            f, within = divmod(off, self.region)
+            k = min(n, self.region - within)
+            yield f, within, k
+            off, n = off + k, n - k
+
+    def read(self, off: int, n: int) -> bytearray:
+        """Bytes ``off .. off + n``; `OSError` on a short read."""
+        out = bytearray(n)
+        got = 0
+        for f, within, k in self.pieces(off, n):
+            if os.preadv(self.fds[f], [memoryview(out)[got : got + k]], within) != k:
+                raise OSError(f"a short read of {k} bytes at byte {within} of file {f}")
+            got += k
+        return out
 
 
 def _breaks(dest: torch.Tensor, sizes: list[int]) -> list[int]:
@@ -118,17 +137,15 @@ def _write_runs(files: Files, runs: list[tuple[int, memoryview]]) -> None:
     batch: list[memoryview] = []
     fd = at = nxt = -1
     for off, view in runs:
-        while len(view):
-            f, within = divmod(off, files.region)
-            n = min(len(view), files.region - within)
+        done = 0
+        for f, within, n in files.pieces(off, len(view)):
             if batch and (files.fds[f] != fd or within != nxt or len(batch) >= _IOV_MAX):
                 _pwritev(fd, batch, at)
                 batch = []
             if not batch:
                 fd, at = files.fds[f], within
-            batch.append(view[:n])
-            nxt = within + n
-            off, view = off + n, view[n:]
+            batch.append(view[done : done + n])
+            nxt, done = within + n, done + n
     if batch:
         _pwritev(fd, batch, at)
 

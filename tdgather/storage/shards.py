@@ -42,7 +42,18 @@ from ..format.limits import SHARD_HEADER_MAX, records_bytes, segment_record_byte
 from ..format.names import SHARD_VERSION, group_names
 from .catalog import UNKNOWN
 
-__all__ = ["Item", "Slice", "fill", "frame_bytes", "items_of", "shard_tensors", "shard_totals", "take", "whole_files"]
+__all__ = [
+    "Item",
+    "Slice",
+    "fill",
+    "frame_bytes",
+    "items_of",
+    "record_shard",
+    "shard_tensors",
+    "shard_totals",
+    "take",
+    "whole_files",
+]
 
 
 class Item(NamedTuple):
@@ -322,6 +333,20 @@ def shard_totals(shard: list[Item] | Slice) -> tuple[list[str], int, int]:
     if isinstance(shard, Slice):
         return shard.names, shard.n, shard.nbytes
     return [item.name for item in shard], sum(item.n for item in shard), sum(item.nbytes for item in shard)
+
+
+def record_shard(catalog: Any, name: str, shard: list[Item] | Slice, segments: list) -> None:
+    """Record shard ``name``'s filenames in ``catalog`` at their ``segments`` (as `shard_tensors` gave them).
+
+    A `Slice`'s (new filenames, one run from one sender each) column by column (`Catalog.extend`).
+    """
+    if not isinstance(shard, Slice):
+        catalog.add_shard(name, shard, segments)
+        return
+    names = shard.names
+    in_group, starts, counts = (list(column) for column in zip(*segments, strict=True))
+    layouts, shards = [shard.group.layout] * len(names), [name] * len(names)
+    catalog.extend(names, layouts, shards, in_group, starts, counts, shard.runs, shard.ranks)
 
 
 def _slice_tensors(shard: Slice) -> tuple[dict, list, list]:

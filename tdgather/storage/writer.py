@@ -54,7 +54,7 @@ from .output import Output, output_at
 from .runstate import RunState
 from .scan import from_shards
 from .shardrecord import read_record
-from .shards import Item, Slice, fill, items_of, shard_tensors, shard_totals, whole_files
+from .shards import Item, Slice, fill, items_of, record_shard, shard_tensors, shard_totals, whole_files
 from .store import Store, digest
 
 __all__ = ["DEFAULT_SHARD_BYTES", "DatasetWriter"]
@@ -236,12 +236,7 @@ class DatasetWriter:
             written = self.out.store.put(name_of_shard, chunks, then=self._in_background(name_of_shard))
             entry.update(written.entry())  # size (and sha256), listed in the index
         self._mine.append(name_of_shard)
-        if isinstance(shard, Slice):  # new filenames, one run from one sender each: recorded as columns
-            in_group, starts, counts = (list(column) for column in zip(*segments, strict=True))
-            layouts, shards = [shard.group.layout] * len(names), [name_of_shard] * len(names)
-            self.catalog.extend(names, layouts, shards, in_group, starts, counts, shard.runs, shard.ranks)
-        else:
-            self.catalog.add_shard(name_of_shard, shard, segments)
+        record_shard(self.catalog, name_of_shard, shard, segments)
         self.shards[name_of_shard] = entry
         return name_of_shard
 
