@@ -242,9 +242,10 @@ def _frame_shape(t: torch.Tensor, batch: int | None, where: str) -> tuple[int, .
 
 def _walk(node: Any, path: Path, batch: int | None, where: str, out: list, dims: tuple[int, ...] = ()) -> None:
     keys = list(node.keys())
-    for key in sorted(keys) if isinstance(node, Mapping) else sorted(keys, key=str):
+    for key in keys:  # before the sort, which cannot order an int among str
         if not isinstance(key, str):
             raise UnsupportedValueError(f"{where}: expected str keys, got {type(key).__name__} {key!r}")
+    for key in sorted(keys) if isinstance(node, Mapping) else sorted(keys, key=str):
         sub = (*path, key)
         label = f"{where} key {'.'.join(sub)!r}"
         v = node.get(key) if isinstance(node, TensorDictBase) else node[key]

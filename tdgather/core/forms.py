@@ -2,8 +2,8 @@
 
 - ``ragged=``: True, a dotted key or several (`ragged_spec`);
 - ``update``'s ``{filename: (frame_idx, value)}`` or ``{filename: [(frame_idx, value), ...]}``
-  (`as_pairs`), its frames collected by layout (`Bucket`) and joined into one batch each
-  (`join_frames`);
+  (`as_pairs`), its frames collected by layout (`Bucket`; a flat dict of tensors by its keys,
+  dtypes and shapes, `tree_key`) and joined into one batch each (`join_frames`);
 - a list of frames that differ, split into one batch per filename (`by_filename`);
 - a filename whose layout does not fit the one it is held or was saved with (`mismatch`), or
   that has a ragged leaf once every leaf is declared fixed (`declared_fixed`).
@@ -34,6 +34,7 @@ __all__ = [
     "mismatch",
     "not_a_pair",
     "ragged_spec",
+    "tree_key",
 ]
 
 
@@ -95,9 +96,9 @@ def by_filename(names: list[str], idx: torch.Tensor, frames: Any, ragged: Ragged
 class Bucket:
     """Frames of one layout collected by `FrameStore.update`, before they are joined into a batch.
 
-    ``how`` joins each leaf's frames: ``"stack"`` (one tensor a frame), ``"cat"`` (batches of one:
-    tensors ``[1, ...]`` and `Ragged` columns of one frame), ``"ragged"`` (one tensor ``[N_i, ...]``
-    a frame, of a ragged plain tensor).
+    Each leaf holds one tensor a frame; ``how`` joins them: ``"stack"`` (every leaf fixed),
+    ``"ragged"`` (a plain tensor's rows ``[N_i, ...]``) or ``"rows"`` (each leaf as its layout
+    says: a ragged leaf's rows joined, a fixed leaf's frames stacked).
     """
 
     __slots__ = ("how", "idx", "json", "layout", "leaves", "names")
@@ -109,6 +110,12 @@ class Bucket:
         self.leaves: list[list] = [[] for _ in layout.leaves]
         self.json: list[list] = [[] for _ in layout.nontensor]
 
+    def join(self, j: int) -> str:
+        """How leaf ``j``'s frames are joined (`join_frames`)."""
+        if self.how != "rows":
+            return self.how
+        return "ragged" if self.layout.leaves[j].ragged else "stack"
+
 
 def join_frames(tensors: list, how: str) -> Any:
     """Frames as one batch, as `Bucket` ``how`` says."""
@@ -117,11 +124,32 @@ def join_frames(tensors: list, how: str) -> Any:
             return Ragged.cat(tensors)  # on CUDA: the values joined there, then one copy to the host
         except RuntimeError:  # frames on several devices: their rows to the host first
             return Ragged.cat([Ragged.from_lengths(v.cpu(), n) for v, n in (r.span() for r in tensors)])
-    join = {"stack": torch.stack, "cat": torch.cat, "ragged": Ragged.from_list}[how]
+    join = {"stack": torch.stack, "ragged": Ragged.from_list}[how]
     try:
         return join(tensors)  # on CUDA: one stack there, then one copy to the host
     except RuntimeError:  # frames on several devices
         return join([t.cpu() for t in tensors])
+
+
+def tree_key(value: dict, spec: RaggedSpec) -> tuple[tuple, list[torch.Tensor]] | None:
+    """A frame given as a flat dict of plain tensors: its `Bucket` key and its tensors in `flatten`'s order.
+
+    The key holds each key, dtype and shape (of a leaf ``spec`` makes ragged, the shape past the
+    first dim), so the frames of one key share one layout and only the first need be flattened
+    (and checked). None for any other frame (an empty or nested dict, a key not a str, a value
+    not a dense tensor): `flatten` takes it.
+    """
+    if not value or not all(type(k) is str for k in value):
+        return None
+    key, tensors = [], []
+    for k in sorted(value):
+        t = value[k]
+        if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_nested or t.is_meta:
+            return None
+        ragged = t.dim() > 0 and (spec is True or (bool(spec) and k in spec))
+        key.append((k, t.dtype, t.shape[1:] if ragged else t.shape, ragged))
+        tensors.append(t)
+    return tuple(key), tensors
 
 
 def declared_fixed(name: str, layout: Layout) -> ShapeMismatchError:

@@ -32,10 +32,12 @@ What the store keeps of a batch given to `FrameStore.add`:
   not modify them until they are sent. With an ``arena`` (a Collector's sender on rank
   dst's host), a batch of one tensor leaf is copied into the shared memory its chunk is
   sent in (`tdgather.comm.shm.Arena`) instead of into memory of its own;
-- ``update``'s frames (a dict's, one tensor each) are stacked into a batch per layout, which is
-  their copy; but a store that keeps references (``copy=False``, as `as_store` makes for `gather`
-  of a dict, read during the call) holds each frame of at least `ROW_ALONE` bytes as it is, a
-  chunk of one row, so that the copy into the message or into rank dst's result is its only one;
+- ``update``'s frames (a dict's, one tensor each, or one flat dict of tensors each, which skips
+  `flatten` where its keys, dtypes and shapes were seen: `tdgather.core.forms.tree_key`) are
+  stacked into a batch per layout (a ragged leaf's rows joined), which is their copy; but a
+  store that keeps references (``copy=False``, as `as_store` makes for `gather` of a dict, read
+  during the call) holds each frame of at least `ROW_ALONE` bytes as it is, a chunk of one
+  row, so that the copy into the message or into rank dst's result is its only one;
 - either way, a view of a much larger storage (``out[:, :2]``) is compacted, so the
   store holds, and the memory budget counts, only the frames' own bytes (plus, uncounted,
   the unused rest of each layout's open block: under 4 MiB);
@@ -57,7 +59,17 @@ import torch
 
 from ..errors import ShapeMismatchError, UnsupportedValueError
 from .flatten import check_ragged_names, flatten
-from .forms import Bucket, as_pairs, by_filename, declared_fixed, join_frames, mismatch, not_a_pair, ragged_spec
+from .forms import (
+    Bucket,
+    as_pairs,
+    by_filename,
+    declared_fixed,
+    join_frames,
+    mismatch,
+    not_a_pair,
+    ragged_spec,
+    tree_key,
+)
 from .frames import Layout, RaggedSpec
 from .inputs import as_index, check_filenames
 from .layoutgroup import ROW_ALONE, Chunk, LayoutGroup, is_plain_index, unflagged
@@ -66,6 +78,8 @@ from .promote import promote, varying
 from .ragged import Ragged
 
 __all__ = ["FrameStore", "as_store"]
+
+_FIT_PAIRS = 4096  # pairs of layouts whose fit a store remembers (then it forgets them all and starts again)
 
 
 class FrameStore:
@@ -98,6 +112,7 @@ class FrameStore:
         self._plain: dict[tuple, LayoutGroup] = {}  # plain tensors' groups by (dtype, batch shape)
         self._ids: dict[str, int] = {}
         self._owner: dict[str, Layout] = {}  # each filename's layout
+        self._fit: dict[tuple[Layout, Layout], bool] = {}  # `_fits` of pairs of layouts that differ
         self._names: list[str] = []
         self._copies: list = []  # CUDA events of pending device-to-host copies
         self.num_frames = 0
@@ -197,6 +212,7 @@ class FrameStore:
         """
         fast: dict[tuple, Bucket] = {}  # plain tensors by (dtype, shape): no Layout hashed per frame
         other: dict[Layout, Bucket] = {}
+        trees: dict[tuple, Bucket] = {}  # dicts of plain tensors by their keys, dtypes and shapes: no flatten per frame
         if ragged is False:
             self.declare_fixed()
         spec = ragged_spec(ragged) if ragged else frozenset()
@@ -224,14 +240,27 @@ class FrameStore:
                     bucket.names.append(name)
                     bucket.idx.append(fi)
                     bucket.leaves[0].append(value)
+                elif type(value) is dict and (tree := tree_key(value, spec)) is not None:
+                    key, tensors = tree
+                    bucket = trees.get(key)
+                    if bucket is None:  # the first frame of these keys and shapes: flattened, so checked
+                        where = f"filename {name!r}"
+                        layout = flatten([value], 1, where, spec, False)[0] if spec else flatten(value, None, where)[0]
+                        known.update(".".join(leaf.path) for leaf in layout.leaves)
+                        bucket = trees[key] = other.get(layout) or other.setdefault(layout, Bucket(layout, "rows"))
+                    bucket.names.append(name)
+                    bucket.idx.append(fi)
+                    for lst, t in zip(bucket.leaves, tensors, strict=True):
+                        lst.append(t)
                 else:
                     if spec:  # a batch of one frame: its ragged leaves are Ragged, the others [1, ...]
                         layout, tensors, json = flatten([value], 1, f"filename {name!r}", spec, False)
                         known.update(".".join(leaf.path) for leaf in layout.leaves)
                         json = [values[0] for values in json]
+                        tensors = [t.values if isinstance(t, Ragged) else t[0] for t in tensors]  # the frame's rows
                     else:
                         layout, tensors, json = flatten(value, None, f"filename {name!r}")
-                    bucket = other.get(layout) or other.setdefault(layout, Bucket(layout, "cat" if spec else "stack"))
+                    bucket = other.get(layout) or other.setdefault(layout, Bucket(layout, "rows"))
                     bucket.names.append(name)
                     bucket.idx.append(fi)
                     for lst, t in zip(bucket.leaves, tensors, strict=True):
@@ -253,13 +282,13 @@ class FrameStore:
         for b, idx in buckets:  # checked: nothing is half-added
             group = self._group(b.layout)
             self._claim(group, b.names)
-            if not self.copy and b.how == "stack" and _referenced(b, group):  # each frame a chunk: no stack
+            if not self.copy and not b.layout.ragged and _referenced(b, group):  # each frame a chunk: no stack
                 group.pending += b.names
                 group.keep_rows(idx, [self._keep(t, False) for t in b.leaves[0]])
                 self.num_frames += len(b.names)
                 self.nbytes += len(b.names) * group.frame_nbytes
                 continue
-            tensors = [join_frames(ts, b.how) for ts in b.leaves]
+            tensors = [join_frames(ts, b.join(j)) for j, ts in enumerate(b.leaves)]
             self._append(group, b.names, idx, tensors, b.json, copy=False)
 
     def _claim(self, g: LayoutGroup, names: list[str]) -> None:
@@ -310,8 +339,15 @@ class FrameStore:
         """
         if a == b:
             return True
-        names = None if self.fixed else varying(a, b)
-        return names is not None and promote(a, names) == promote(b, names)
+        if self.fixed:
+            return False
+        fit = self._fit.get((a, b))
+        if fit is None:  # worked out once per pair: a detector's box counts give a layout each
+            if len(self._fit) >= _FIT_PAIRS:
+                self._fit.clear()
+            names = varying(a, b)
+            fit = self._fit[a, b] = names is not None and promote(a, names) == promote(b, names)
+        return fit
 
     def _group(self, layout: Layout) -> LayoutGroup:
         group = self._groups.get(layout)
