@@ -16,6 +16,11 @@ Methods, each timed on rank 0 from a barrier to its result, median of ``--repeat
   frame ids (accelerate's pad_across_processes + gather, torchmetrics' gather_all_tensors);
 - ``gather_object``: `torch.distributed.gather_object` of the rank's ``[(filename, frame_idx,
   {leaf: tensor})]`` (pickled);
+- ``tdgather_dict``: `tdgather.gather` of the seed's form, ``{video: [(frame_idx, {"boxes", "scores",
+  "labels", "feat"}), ...]}``, each frame's tensors its own (as a detector's per-image dicts are),
+  built before the timing, with ``ragged=("boxes", "scores", "labels")``;
+  ``tdgather_dict_undeclared``: the same without ``ragged=`` (each box count a layout, made ragged
+  where a video's counts differ);
 - ``tdgather_undeclared``, ``tdgather_collector_undeclared``: as ``tdgather_gather`` (a store filled
   before the timing) and
   ``tdgather_collector``, but each batch as a model with no ragged declaration gives it: where every
@@ -122,12 +127,13 @@ def tdgather_collector_undeclared(data: list, ctx: dict) -> None:
     tdgather_collector(ctx["undeclared"], ctx)
 
 
-def tdgather_wire_bytes(data: list) -> int:
-    """What tdgather sends for these frames: preludes, headers, the frame index and the pieces."""
+def tdgather_wire_bytes(data: list, store: tdgather.FrameStore | None = None) -> int:
+    """What tdgather sends for these frames (or for ``store``, holding them): preludes, headers, the frame
+    index and the pieces."""
     done = 8 * PRELUDE_LEN + len(encode_json({"frames": sum(len(n) for n, _, _ in data)}))
     if not data:
         return done
-    packed = pack(_store(data))
+    packed = pack(store or _store(data))
     pieces = sum(t.nbytes for piece in packed.pieces for t in piece)
     return (
         done
@@ -144,6 +150,22 @@ def tdgather_gather(data: list, ctx: dict) -> None:
 
 def tdgather_store(data: list, ctx: dict) -> None:
     tdgather.gather(_store(data), timeout=600)
+
+
+def seed_dict(data: list) -> dict:
+    """The seed's form: ``{video: [(frame_idx, {"boxes", "scores", "labels", "feat"}), ...]}``, a tensor each."""
+    out: dict = {}
+    for name, i, frame in _as_objects(data):
+        out.setdefault(name, []).append((i, frame))
+    return out
+
+
+def tdgather_dict(data: list, ctx: dict) -> None:
+    tdgather.gather(ctx["dict"], ragged=tuple(LEAVES), timeout=600)
+
+
+def tdgather_dict_undeclared(data: list, ctx: dict) -> None:
+    tdgather.gather(ctx["dict"], timeout=600)
 
 
 def tdgather_collector(data: list, ctx: dict) -> None:
@@ -231,6 +253,8 @@ METHODS = {
     "gather_object": gather_object,
     "tdgather_undeclared": tdgather_undeclared,
     "tdgather_collector_undeclared": tdgather_collector_undeclared,
+    "tdgather_dict": tdgather_dict,
+    "tdgather_dict_undeclared": tdgather_dict_undeclared,
 }
 
 
@@ -240,8 +264,13 @@ def _rank(videos: int, methods: list[str], repeats: int, scratch: str, dense_fir
     data = batches(videos, rank, world, dense_first=dense_first)
     ctx = {"scratch": scratch, "store": _store(data, copy=False), "undeclared": undeclared(data)}
     ctx["undeclared_store"] = _store(ctx["undeclared"], copy=False)
+    ctx["dict"] = seed_dict(data)
+    dict_stores = [tdgather.FrameStore(copy=False) for _ in range(2)]  # what the dict is sent as
+    dict_stores[0].update(ctx["dict"], ragged=tuple(LEAVES))
+    dict_stores[1].update(ctx["dict"])
     sizes = [frame_bytes(data), tdgather_wire_bytes(data), len(pickle.dumps(_as_objects(data)))]
-    sizes = torch.tensor([*sizes, tdgather_wire_bytes(ctx["undeclared"])])
+    sizes += [tdgather_wire_bytes(ctx["undeclared"]), *(tdgather_wire_bytes(data, s) for s in dict_stores)]
+    sizes = torch.tensor(sizes)
     dist.all_reduce(sizes)
     seconds: dict[str, list[float]] = {m: [] for m in methods}
     peaks: dict[str, int] = {}
@@ -261,8 +290,9 @@ def _rank(videos: int, methods: list[str], repeats: int, scratch: str, dense_fir
                 padded_wire = int(wire)
     if rank != 0:
         return None
-    frames, wire, pickled, undeclared_wire = (int(x) for x in sizes)
+    frames, wire, pickled, undeclared_wire, dict_wire, undeclared_dict_wire = (int(x) for x in sizes)
     wire_of = {"tdgather_gather": wire, "tdgather_store": wire, "tdgather_collector": wire}
+    wire_of |= {"tdgather_dict": dict_wire, "tdgather_dict_undeclared": undeclared_dict_wire}
     wire_of |= {"pad_all_gather": padded_wire, "gather_object": pickled}
     wire_of |= {"tdgather_undeclared": undeclared_wire, "tdgather_collector_undeclared": undeclared_wire}
     return {

@@ -56,6 +56,7 @@ METHODS = {
     "tdgather_gather": "tdgather: `gather` of a `FrameStore` filled during the loop",
     "tdgather_store": "tdgather: `FrameStore.add` per batch (a copy), then `gather`",
     "tdgather_collector": "tdgather: `Collector`, streamed to disk as one dataset (fsynced)",
+    "tdgather_dict": "tdgather: `gather` of the dict `{filename: [(frame_idx, frame), ...]}`, each frame its own",
     "gather_object": "`torch.distributed.gather_object` (pickle)",
     "pad_all_gather": "pad to the largest rank, `all_gather`, trim (torchmetrics, accelerate)",
     "td_remote": "tensordict: `init_remote` / `from_remote_init`",

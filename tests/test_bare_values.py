@@ -15,7 +15,7 @@ def test_one_frame_says_which_dict_to_wrap_it_in(value, wrapped):
     kind = "None" if value is None else f"a {type(value).__name__}"
     with pytest.raises(UnsupportedValueError) as e:
         tdgather.gather({"a.mp4": (0, value)})
-    assert "filename 'a.mp4': expected a tensor" in str(e.value)
+    assert "filename 'a.mp4', frame_idx 0: expected a tensor" in str(e.value)
     assert (
         f"got {type(value).__name__} {value!r}; {kind} is stored as a JSON leaf of a dict: wrap it, e.g. {wrapped}"
         in str(e.value)

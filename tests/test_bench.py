@@ -93,6 +93,7 @@ def test_detection_smoke(tmp_path):
     assert sorted(rows) == sorted(METHODS)
     # bytes, not time: tdgather sends the frames plus its index and headers, no padding
     assert out["frame_bytes"] < rows["tdgather_gather"][1] < 1.1 * out["frame_bytes"]
+    assert out["frame_bytes"] < rows["tdgather_dict"][1] < 1.1 * out["frame_bytes"]  # the seed's form: the same
     assert rows["pad_all_gather"][1] > rows["tdgather_gather"][1]
 
 
@@ -280,3 +281,14 @@ def test_appends_smoke(capsys):
     ]
     assert rows[1][-1] == "1..2"  # both jobs committed: snapshots 1 and 2, none lost
     assert "x saving the frames in one run" in " ".join(rows[-1])
+
+
+def test_spread_smoke(capsys):
+    from benchmarks.spread import main as spread
+
+    spread(["--world", "2", "--videos", "6", "--frames", "4", "--repeats", "1"])
+    lines = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    rows = {r[0]: r for r in lines}
+    one, each = rows["one writer"], rows["ranks_per_writer=1"]
+    assert one[4] == each[4] == "24"  # every frame read back either way
+    assert (one[5], each[5]) == ("6", "12")  # a segment a video, against one a video and rank

@@ -113,7 +113,7 @@ def test_store_forms_and_counts():
 def test_store_rejects_bad_input_with_clear_messages():
     store = tdgather.FrameStore()
     with pytest.raises(
-        UnsupportedValueError, match=r"filename 'x': expected a dense tensor.*got dtype torch.complex128"
+        UnsupportedValueError, match=r"filename 'x', frame_idx 0: expected a dense tensor.*got dtype torch.complex128"
     ):
         store.update({"x": (0, torch.zeros(2, dtype=torch.complex128))})
     with pytest.raises(UnsupportedValueError, match="got a nested tensor for one frame"):

@@ -4,7 +4,8 @@
 keys, dtypes and shapes are those of a frame seen before join its batch without being flattened
 again (`tdgather.core.forms.tree_key`). What they give must be what the frames are (bit for bit,
 each leaf at its own shape, in frame order), what the same frames give as TensorDicts (which
-`flatten` takes one by one), and the same refusals, with nothing of a refused call kept.
+`flatten` takes one by one), and the same refusals, with nothing of a refused call kept; a refusal
+names the frame (filename and frame_idx), and a bad ``ragged=`` no function the caller did not call.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def test_a_bad_frame_after_good_ones_is_refused_as_flatten_refuses_it(bad, error
     pairs = preds[name]
     pairs.append((99, {**pairs[0][1], **bad}))
     store = FrameStore()
-    with pytest.raises(error, match="clip_2.mp4") as info:
+    with pytest.raises(error, match=r"filename 'clip_2\.mp4', frame_idx 99(:| key)") as info:  # the frame, not a [0]
         store.update(preds, ragged=ragged)
     assert words in str(info.value)
     assert store.num_frames == 0
@@ -144,3 +145,23 @@ def test_undeclared_counts_fit_and_another_dtype_is_refused_each_time_it_comes()
         assert store.num_frames == 21
     got = tdgather.gather(store)
     assert got["clip_0.mp4"].frame_idx.tolist() == list(range(7))
+
+
+def test_a_ragged_name_that_is_no_leaf_is_refused_naming_no_other_function():
+    preds = _predictions()
+    with pytest.raises(ValueError, match=r"ragged=\['boxez'\] names \['boxez'\], which is not a tensor leaf") as info:
+        tdgather.gather(preds, ragged=["boxez"])
+    assert "update()" not in str(info.value) and "'boxes'" in str(info.value)  # the leaves there are, to choose from
+    captions = {"a.jpg": [(0, {"caption": "a cat"}), (1, {"caption": "a dog"})]}  # frames, but no tensor leaf
+    with pytest.raises(
+        ValueError, match=r"names \['boxes'\], which is not a tensor leaf here; the tensor leaves are none"
+    ):
+        tdgather.gather(captions, ragged="boxes")
+    with pytest.raises(TypeError, match=r"^expected ragged=True or dotted keys \(str\), got \[1\]$"):
+        tdgather.gather(preds, ragged=[1])
+    assert len(tdgather.gather({}, ragged="boxes")) == 0  # a rank with no frames has nothing to name
+
+
+def test_a_frame_idx_of_two_elements_is_named_as_such():
+    with pytest.raises(UnsupportedValueError, match=r"expected one integer a frame, got a Tensor of shape \[2\]"):
+        tdgather.gather({"v.mp4": [(torch.tensor([3, 4]), {"boxes": torch.zeros(1, 4)})]})

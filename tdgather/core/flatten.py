@@ -194,7 +194,7 @@ def _flatten_list(items: list | tuple, batch: int, where: str, ragged: RaggedSpe
         raise ValueError(f"{where}: expected a list of {batch} frames (one per filename), got {len(items)}")
     if not items:
         return Layout("tree", None, ()), [], []
-    per = [flatten(item, None, f"{where}[{k}]") for k, item in enumerate(items)]
+    per = [flatten(item, None, f"{where}[{k}]" if batch > 1 else where) for k, item in enumerate(items)]
     first = per[0][0]
 
     def skeleton(lay: Layout) -> tuple:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..errors import ShapeMismatchError, UnsupportedValueError
 from .flatten import flatten
 from .frames import Layout, RaggedSpec
+from .inputs import index_value
 from .promote import SAME_LAYOUT, ragged_hint
 from .ragged import Ragged
 
@@ -30,6 +31,7 @@ __all__ = [
     "as_pairs",
     "by_filename",
     "declared_fixed",
+    "frame_label",
     "join_frames",
     "mismatch",
     "not_a_pair",
@@ -47,6 +49,16 @@ def as_pairs(name: str, entry: Any) -> Iterable[Any]:
     raise not_a_pair(name, entry)
 
 
+def frame_label(name: str, frame_idx: Any) -> str:
+    """How an error names a frame of `FrameStore.update`'s dict: its filename, and its frame_idx if an integer.
+
+    >>> frame_label("a.mp4", 3), frame_label("a.mp4", [3, 4])
+    ("filename 'a.mp4', frame_idx 3", "filename 'a.mp4'")
+    """
+    value = index_value(frame_idx)
+    return f"filename {name!r}" if value is None else f"filename {name!r}, frame_idx {value}"
+
+
 def not_a_pair(name: str, got: Any) -> UnsupportedValueError:
     """The refusal of an entry of `FrameStore.update`'s dict that is not a pair or a list of pairs."""
     return UnsupportedValueError(
@@ -61,7 +73,7 @@ def ragged_spec(ragged: bool | str | Iterable[str]) -> RaggedSpec:
         return True
     names = (ragged,) if isinstance(ragged, str) else tuple(ragged) if isinstance(ragged, Iterable) else (ragged,)
     if not all(isinstance(x, str) for x in names):
-        raise TypeError(f"add(): expected ragged=True or dotted keys (str), got {ragged!r:.80}")
+        raise TypeError(f"expected ragged=True or dotted keys (str), got {ragged!r:.80}")
     return frozenset(names)
 
 

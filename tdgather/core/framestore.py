@@ -64,6 +64,7 @@ from .forms import (
     as_pairs,
     by_filename,
     declared_fixed,
+    frame_label,
     join_frames,
     mismatch,
     not_a_pair,
@@ -218,12 +219,14 @@ class FrameStore:
         spec = ragged_spec(ragged) if ragged else frozenset()
         plain_ragged = spec is True or "" in spec  # a plain tensor's rows vary: keyed by the shape of a row
         known: set[str] = set()  # the tensor leaves seen: each name in ragged= must be one of them somewhere
+        frames = 0
         for name, entry in predictions.items():
             for pair in as_pairs(name, entry):
                 try:
                     fi, value = pair
                 except (TypeError, ValueError):
                     raise not_a_pair(name, pair) from None
+                frames += 1
                 if (
                     type(value) is torch.Tensor
                     and value.layout is torch.strided
@@ -233,7 +236,7 @@ class FrameStore:
                     key = (value.dtype, value.shape[1:] if spec else value.shape)
                     bucket = fast.get(key)
                     if bucket is None:
-                        where = f"filename {name!r}"
+                        where = frame_label(name, fi)
                         layout = flatten([value], 1, where, spec, False)[0] if spec else flatten(value, None, where)[0]
                         known.update(".".join(leaf.path) for leaf in layout.leaves)
                         bucket = fast[key] = Bucket(layout, "ragged" if spec else "stack")
@@ -244,7 +247,7 @@ class FrameStore:
                     key, tensors = tree
                     bucket = trees.get(key)
                     if bucket is None:  # the first frame of these keys and shapes: flattened, so checked
-                        where = f"filename {name!r}"
+                        where = frame_label(name, fi)
                         layout = flatten([value], 1, where, spec, False)[0] if spec else flatten(value, None, where)[0]
                         known.update(".".join(leaf.path) for leaf in layout.leaves)
                         bucket = trees[key] = other.get(layout) or other.setdefault(layout, Bucket(layout, "rows"))
@@ -254,12 +257,12 @@ class FrameStore:
                         lst.append(t)
                 else:
                     if spec:  # a batch of one frame: its ragged leaves are Ragged, the others [1, ...]
-                        layout, tensors, json = flatten([value], 1, f"filename {name!r}", spec, False)
+                        layout, tensors, json = flatten([value], 1, frame_label(name, fi), spec, False)
                         known.update(".".join(leaf.path) for leaf in layout.leaves)
                         json = [values[0] for values in json]
                         tensors = [t.values if isinstance(t, Ragged) else t[0] for t in tensors]  # the frame's rows
                     else:
-                        layout, tensors, json = flatten(value, None, f"filename {name!r}")
+                        layout, tensors, json = flatten(value, None, frame_label(name, fi))
                     bucket = other.get(layout) or other.setdefault(layout, Bucket(layout, "rows"))
                     bucket.names.append(name)
                     bucket.idx.append(fi)
@@ -267,8 +270,8 @@ class FrameStore:
                         lst.append(t)
                     for lst, v in zip(bucket.json, json, strict=True):
                         lst.append(v)
-        if known:
-            check_ragged_names(spec, known, "update()")
+        if frames:  # a rank with no frames has nothing to match the names against
+            check_ragged_names(spec, known, "the frames given")
         buckets = [(b, as_index(b.idx, "frame_idx", b.names)) for b in [*fast.values(), *other.values()]]
         claimed: dict[str, Layout] = {}
         for b, _ in buckets:

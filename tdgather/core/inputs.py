@@ -6,6 +6,7 @@ floats or bools; filenames are str that UTF-8 can encode (they travel in JSON he
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -68,6 +69,11 @@ def as_index(frame_idx: Any, where: str, names: Sequence[str] | None = None) -> 
     for k, i in enumerate(frame_idx):
         value = index_value(i)
         owner = f" (filename {names[k]!r})" if names is not None else f" (position {k})"
+        if value is None and len(getattr(i, "shape", ())) and math.prod(i.shape) != 1:
+            raise UnsupportedValueError(
+                f"{where}{owner}: expected one integer a frame, got a {type(i).__name__} of shape {list(i.shape)}; "
+                "give each frame its own (frame_idx, value) pair"
+            )
         if value is None:
             raise UnsupportedValueError(f"{where}{owner}: expected {_INDEX_RULE}, got {type(i).__name__} {i!r:.40}")
         if not -(2**63) <= value < 2**63:
