@@ -256,7 +256,7 @@ class FrameStore:
                     for lst, t in zip(bucket.leaves, tensors, strict=True):
                         lst.append(t)
                 else:
-                    if spec:  # a batch of one frame: its ragged leaves are Ragged, the others [1, ...]
+                    if spec:  # flattened as a batch of one (its named leaves ragged), then kept as the frame's rows
                         layout, tensors, json = flatten([value], 1, frame_label(name, fi), spec, False)
                         known.update(".".join(leaf.path) for leaf in layout.leaves)
                         json = [values[0] for values in json]
