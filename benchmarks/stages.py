@@ -69,9 +69,8 @@ STAGES = {  # module: names (a "Class.method" is wrapped on its class)
     "tdgather.storage.shards": ["items_of", "fill", "shard_tensors"],
     "tdgather.storage.catalog": ["Catalog.add_shard", "Catalog.load", "Catalog.json_chunks"],
     "tdgather.storage.atomic": ["LocalFS.writev"],
-    "tdgather.storage.store": ["LocalStore.put"],
+    "tdgather.storage.store": ["LocalStore.put", "crc32"],  # crc32: zlib-ng's (or zlib's) CRC-32 of each shard
     "tdgather.format.codec": ["encode"],
-    "zlib": ["crc32"],
     "os": ["fsync"],
 }
 _EVENTS: list[tuple[str, float, float]] = []

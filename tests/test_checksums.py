@@ -82,3 +82,14 @@ def test_a_resumed_run_lists_every_shard_with_its_crc32(tmp_path):
                 assert "shard-00000.safetensors: crc32" in str(e)
             else:
                 raise AssertionError("a shard changed between attempts passed verify()")
+
+
+def test_the_crc32_of_chunks_is_zlibs_whichever_library_computes_it():
+    from tdgather.storage.store import crc32_of
+
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    cuts = [0, 0, 1, 8, 4099, 1 << 20, (1 << 20) + 5, 3 << 20]
+    chunks = [memoryview(data[a:b].numpy()) for a, b in zip(cuts, cuts[1:], strict=False)]
+    crc = [0]
+    assert [bytes(c) for c in crc32_of(chunks, crc)] == [bytes(c) for c in chunks]  # passed through as they are
+    assert crc[0] == zlib.crc32(data.numpy().tobytes())
