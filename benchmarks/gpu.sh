@@ -7,8 +7,9 @@
 #   bash benchmarks/gpu.sh            # the full run (about 5 minutes on one H100 with 16 cores)
 #   QUICK=1 bash benchmarks/gpu.sh    # tiny sizes: checks the script itself, on any machine
 #
-# Where the machine's python lacks tensordict, put its wheel (and pyvers') in .whl/ first:
-# they are installed into /tmp/site, which goes on PYTHONPATH with the repository.
+# Where the machine's python lacks tensordict, put its wheel (and pyvers', and zlib-ng's for the fast
+# CRC-32: without it the standard library's is used) in .whl/ first: they are installed into
+# /tmp/site, which goes on PYTHONPATH with the repository.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
