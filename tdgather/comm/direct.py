@@ -184,9 +184,7 @@ class ResultMemory:
 
     def close(self) -> None:
         """Close the descriptors (the mapping, the result, lives on while viewed)."""
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        _close_all(self.fds)
         self.fds = []
 
 
@@ -275,9 +273,13 @@ class Target:
 
     def close(self) -> None:
         """Close the descriptors."""
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        _close_all(self.fds)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _open_memfd(path: str, name: str) -> int | None:

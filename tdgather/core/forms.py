@@ -55,7 +55,8 @@ def frame_label(name: str, frame_idx: Any) -> str:
     >>> frame_label("a.mp4", 3), frame_label("a.mp4", [3, 4])
     ("filename 'a.mp4', frame_idx 3", "filename 'a.mp4'")
     """
-    value = index_value(frame_idx)
+    on_host = not isinstance(frame_idx, torch.Tensor) or frame_idx.is_cpu  # no device sync for a label
+    value = index_value(frame_idx) if on_host else None
     return f"filename {name!r}" if value is None else f"filename {name!r}, frame_idx {value}"
 
 

@@ -236,9 +236,7 @@ class FrameStore:
                     key = (value.dtype, value.shape[1:] if spec else value.shape)
                     bucket = fast.get(key)
                     if bucket is None:
-                        where = frame_label(name, fi)
-                        layout = flatten([value], 1, where, spec, False)[0] if spec else flatten(value, None, where)[0]
-                        known.update(".".join(leaf.path) for leaf in layout.leaves)
+                        layout = _layout_of(value, frame_label(name, fi), spec, known)
                         bucket = fast[key] = Bucket(layout, "ragged" if spec else "stack")
                     bucket.names.append(name)
                     bucket.idx.append(fi)
@@ -247,10 +245,8 @@ class FrameStore:
                     key, tensors = tree
                     bucket = trees.get(key)
                     if bucket is None:  # the first frame of these keys and shapes: flattened, so checked
-                        where = frame_label(name, fi)
-                        layout = flatten([value], 1, where, spec, False)[0] if spec else flatten(value, None, where)[0]
-                        known.update(".".join(leaf.path) for leaf in layout.leaves)
-                        bucket = trees[key] = other.get(layout) or other.setdefault(layout, Bucket(layout, "rows"))
+                        layout = _layout_of(value, frame_label(name, fi), spec, known)
+                        bucket = trees[key] = other.setdefault(layout, Bucket(layout, "rows"))
                     bucket.names.append(name)
                     bucket.idx.append(fi)
                     for lst, t in zip(bucket.leaves, tensors, strict=True):
@@ -493,6 +489,16 @@ class FrameStore:
     def num_chunks(self) -> int:
         """Chunks held: blocks of small batches copied together, and batches kept as they are."""
         return sum(len(g.chunks) + (g.fill > g.start) for g in self._groups.values())
+
+
+def _layout_of(value: Any, where: str, spec: RaggedSpec, known: set[str]) -> Layout:
+    """One frame's layout, its tensor leaves' dotted names added to ``known``.
+
+    Under ``spec``, flattened as a batch of one, so that the leaves it names are ragged.
+    """
+    layout = flatten([value], 1, where, spec, False)[0] if spec else flatten(value, None, where)[0]
+    known.update(".".join(leaf.path) for leaf in layout.leaves)
+    return layout
 
 
 def _referenced(b: Bucket, g: LayoutGroup) -> bool:
