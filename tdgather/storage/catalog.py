@@ -174,17 +174,17 @@ class Catalog:
         """New filenames, one segment each, column by column: what `add` records for each, in a few list passes."""
         n, s, k = len(self._first), len(self._seg_start), len(names)
         self.ids.update(zip(names, range(n, n + k), strict=True))
-        self._first.extend(range(s, s + k))
-        self._layout.extend(layouts)
-        self._lo.extend([r[0] for r in runs])
-        self._hi.extend([r[1] for r in runs])
-        self._count.extend(frames)
-        self._seg_frames.extend(frames)
-        self._seg_start.extend(starts)
-        self._seg_group.extend(groups)
-        self._seg_shard.extend(shards)
-        self._seg_rows.extend([len(self._rank_rows)] * k)
-        self._seg_rank.extend(ranks)
+        self._first.frombytes(torch.arange(s, s + k, dtype=torch.int64).numpy().tobytes())
+        _put(self._layout, layouts)
+        _put(self._lo, [r[0] for r in runs])
+        _put(self._hi, [r[1] for r in runs])
+        _put(self._count, frames)
+        _put(self._seg_frames, frames)
+        _put(self._seg_start, starts)
+        _put(self._seg_group, groups)
+        _put(self._seg_shard, shards)
+        _put(self._seg_rows, [len(self._rank_rows)] * k)
+        _put(self._seg_rank, ranks)
 
     @staticmethod
     def _interned(values: list, table: list, ids: dict) -> list[int]:
@@ -354,7 +354,7 @@ class Catalog:
         ids, count, first, more = self.ids, self._count, self._first, self._more
         shard, group, start, frames = self._seg_shard, self._seg_group, self._seg_start, self._seg_frames
         one = '%s: {"frames": %d, "segments": [{"shard": %s, "group": %s, "start": %d, "frames": %d}]}'
-        names = sorted(name for name, i in ids.items() if count[i])
+        names = sorted(ids) if 0 not in count else sorted(name for name, i in ids.items() if count[i])
         yield "{"
         for at in range(0, len(names), _CHUNK_FILES):
             piece = []
@@ -372,6 +372,14 @@ class Catalog:
                     )
             yield ("" if at == 0 else ", ") + ", ".join(piece)
         yield "}"
+
+
+def _put(column: array, values: list[int]) -> None:
+    """Append ``values`` to ``column`` in one pass: a value repeated (the usual: one shard, group, sender) as one."""
+    if values and values.count(values[0]) == len(values):
+        column.extend(array(column.typecode, values[:1]) * len(values))
+    else:
+        column.fromlist(values if type(values) is list else list(values))
 
 
 def _intern(value, values: list, ids: dict) -> int:
