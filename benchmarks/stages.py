@@ -57,7 +57,7 @@ STAGES = {  # module: names (a "Class.method" is wrapped on its class)
     "tdgather.api.collector": ["Collector.add", "Collector.__enter__", "Collector.__exit__"],
     "tdgather.comm.protocol": ["open_shm", "Joiner.join"],
     "tdgather.comm.transport": ["decode_json", "decode_header", "decode_index", "Channel.recv_answer"],
-    "tdgather.comm.shm": ["ShmWriter.write", "ShmWriter._handed_back", "_hand_back", "_fill"],
+    "tdgather.comm.shm": ["ShmWriter.write", "ShmWriter._handed_back", "hand_back", "_fill"],
     "tdgather.core.scatter": ["joined_chunks", "scatter_chunks"],
     "tdgather.comm.direct": ["ResultMemory.arena", "Target.write", "Target.open"],
     "tdgather.storage.writer": [

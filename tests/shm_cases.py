@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import tdgather
-from tdgather.comm.shm import SHM_NAME, pid_namespace
+from tdgather.comm.shmfiles import SHM_NAME, pid_namespace
 
 
 def frames(rank: int, b: int) -> dict:

@@ -10,7 +10,8 @@ import torch
 
 import tdgather
 from tdgather import ProtocolError
-from tdgather.comm.shm import RING, ShmWriter, open_shm, pid_namespace, sweep
+from tdgather.comm.shm import RING, ShmWriter, open_shm
+from tdgather.comm.shmfiles import pid_namespace, sweep
 from tdgather.comm.wire import Kind, decode_header
 from tdgather.tools.launch import WorldError, run_local_world
 

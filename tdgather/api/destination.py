@@ -19,7 +19,7 @@ from typing import Any
 
 from ..comm.groups import heartbeat_interval
 from ..comm.protocol import expect_done, read_frames
-from ..comm.shm import PeerShm, host_token, sweep
+from ..comm.shmfiles import PeerShm, host_token, sweep
 from ..comm.transport import Answers, Call
 from ..comm.wire import Kind, error_header
 from ..core.duplicates import DuplicateCounts, overlap_warning

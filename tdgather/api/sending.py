@@ -17,7 +17,8 @@ from typing import Any
 from ..comm.groups import heartbeat_interval
 from ..comm.pack import pack
 from ..comm.protocol import Joiner, end_stream, send_frames
-from ..comm.shm import ShmWriter, host_token
+from ..comm.shm import ShmWriter
+from ..comm.shmfiles import host_token
 from ..comm.transport import Call, peer_error
 from ..comm.wire import HEARTBEAT, Kind
 from ..errors import PeerLostError, StalledError

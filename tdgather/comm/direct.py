@@ -50,7 +50,7 @@ from ..core.part import Part
 from ..core.scatter import scatter_chunks
 from .regions import REGIONS, map_regions, region_size
 from .rowwrite import Files, write_leaves
-from .shm import host_token
+from .shmfiles import host_token
 from .wire import ALIGN  # every buffer starts at a multiple of this
 
 __all__ = ["DIRECT_MIN", "DIRECT_ROW", "ResultMemory", "Target", "fixed_size", "result_nbytes", "wants_direct"]

@@ -1,7 +1,7 @@
 """Same-host peers: a chunk's bytes handed over in a shared memory file, only its header over gloo.
 
 On one host, gloo's TCP loopback is far below what memory moves. A sender that shares rank dst's
-host (rank dst names its host in the ready answer: `host_token`) writes a packed chunk's pieces
+host (rank dst names its host in the ready answer: `tdgather.comm.shmfiles.host_token`) writes a packed chunk's pieces
 into a new file in ``/dev/shm`` (`ShmWriter`) and sends the data message with
 ``"shm": {"name", "size"}`` instead of piece messages. Each tensor leaf's bytes start at a multiple
 of `ALIGN`, in the order the pieces would have come (`tdgather.comm.wire.shm_offsets`).
@@ -35,10 +35,10 @@ one-shot file is removed).
 Lifetime: an shm file is written whole before its header is sent, so a sender killed mid-write
 loses only that chunk. A sender removes at close whatever of its own rank dst did not take, and
 its ring. A sender lost mid-run (killed, hung) cannot: rank dst removes, when the run ends, every
-shm file of the writers that peer named in its data messages (`PeerShm`: its ring, and a
+shm file of the writers that peer named in its data messages (`tdgather.comm.shmfiles.PeerShm`: its ring, and a
 chunk it was killed writing). What a sender leaves before its first data message reached rank dst
 is removed by the next tdgather on that host whose process (in the writer's PID namespace) finds
-the writer's pid dead (`sweep`). Where the directory is missing, not writable or would keep less
+the writer's pid dead (`tdgather.comm.shmfiles.sweep`). Where the directory is missing, not writable or would keep less
 than ``TDGATHER_SHM_SPARE`` bytes free (default 64 MiB), the chunk goes over gloo (one log line).
 ``TDGATHER_SHM=0`` turns the path off (the benchmarks' ``--gloo-only``).
 """
@@ -46,18 +46,13 @@ than ``TDGATHER_SHM_SPARE`` bytes free (default 64 MiB), the chunk goes over glo
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import mmap
 import os
-import re
 import secrets
-import socket
-import stat
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,62 +60,17 @@ from typing import Any
 import torch
 
 from ..core.checks import ProtocolCheck
+from .shmfiles import FREE, SHM_NAME, hand_back, pid_namespace, shm_dir
 
-__all__ = [
-    "FREE",
-    "RING",
-    "SHM_NAME",
-    "Arena",
-    "PeerShm",
-    "ShmWriter",
-    "host_token",
-    "open_shm",
-    "pid_namespace",
-    "ring_size",
-    "shm_dir",
-    "sweep",
-]
+__all__ = ["RING", "Arena", "ShmWriter", "open_shm", "ring_size"]
 
 log = logging.getLogger("tdgather")
 
-# pid, pid namespace, token, number: a pid is only known alive or dead in its own namespace
-SHM_NAME = re.compile(r"tdgather-([0-9]{1,10})-([0-9]{1,20})-([0-9a-f]{8})-([0-9]{1,12})")
-FREE = ".free"  # a kept shm file rank dst has handed back: ``<name>.free``
 RING = 3  # shm files a sender keeps and writes again (``TDGATHER_SHM_RING``)
 ALLOCATE_STEP = 4 << 20  # an arena's pages are allocated this many bytes at a time
 
 
-_said: set[str] = set()  # the fall-backs logged by this process (one line each)
-
-
-def shm_dir() -> Path | None:
-    """Where shm files go (``TDGATHER_SHM_DIR``, default ``/dev/shm``); None when off or not a writable directory.
-
-    A directory that cannot be used (not ``TDGATHER_SHM=0``) is logged once per process.
-    """
-    if os.environ.get("TDGATHER_SHM", "1") == "0":
-        return None
-    path = Path(os.environ.get("TDGATHER_SHM_DIR", "/dev/shm"))
-    if path.is_dir() and os.access(path, os.W_OK | os.X_OK):
-        return path
-    if str(path) not in _said:
-        _said.add(str(path))
-        log.info(
-            "tdgather: shared memory unavailable: %s is not a writable directory (TDGATHER_SHM_DIR); "
-            "gloo carries every chunk",
-            path,
-        )
-    return None
-
-
-def host_token() -> str | None:
-    """This host, as rank dst names it: hostname and boot id hashed; None when shm files are off here."""
-    if shm_dir() is None:
-        return None
-    boot = ""
-    with contextlib.suppress(OSError):
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    return hashlib.sha256(f"{socket.gethostname()}\0{boot}\0{shm_dir()}".encode()).hexdigest()[:32]
+_said: set[str] = set()  # the values of TDGATHER_SHM_RING logged by this process (one line each)
 
 
 @dataclass
@@ -439,13 +389,7 @@ class Arena:
         if kept is not None and not kept.ring:
             self.writer.close_one_shot(kept, self.sent)
         elif kept is not None and not self.sent:
-            _hand_back(kept.path)
-
-
-def _hand_back(path: Path) -> None:
-    """Rank dst let go of a kept shm file: its sender may write it again."""
-    with contextlib.suppress(OSError):
-        os.rename(path, path.with_name(path.name + FREE))
+            hand_back(kept.path)
 
 
 def open_shm(name: Any, size: int, src: int, keep: bool = False) -> torch.Tensor:
@@ -486,101 +430,10 @@ def open_shm(name: Any, size: int, src: int, keep: bool = False) -> torch.Tensor
                 path.unlink()  # mapped: the memory lives as long as the views of it
     if mm is None:
         if keep:
-            _hand_back(path)
+            hand_back(path)
         return torch.empty(0, dtype=torch.uint8)
     if keep:
-        weakref.finalize(mm, _hand_back, path)
+        weakref.finalize(mm, hand_back, path)
     with warnings.catch_warnings():  # a read-only buffer: its views are read, never written
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mm, dtype=torch.uint8)
-
-
-class PeerShm:
-    """The shm file writers each peer named in its data messages: rank dst removes a lost peer's shm files.
-
-    A writer is the ``tdgather-<pid>-<namespace>-<token>`` its shm file names start with; its token is
-    drawn per `ShmWriter` (one per sender and run), so it names that sender's shm files of this
-    run only: its ring (held or handed back), and a chunk it was killed writing, named or not.
-    """
-
-    def __init__(self) -> None:
-        self.writers: dict[int, set[str]] = {}
-
-    def note(self, peer: int, shm: tuple[str, int, bool] | None) -> None:
-        """A data message of ``peer`` with shm file ``shm`` (its header's ``(name, size, keep)``, or None)."""
-        m = SHM_NAME.fullmatch(shm[0]) if shm is not None else None
-        if m is not None:
-            self.writers.setdefault(peer, set()).add(_writer(m))
-
-    def remove(self, peers: Iterable[int]) -> int:
-        """Remove every shm file of the writers ``peers`` named (this user's files only); return how many.
-
-        For peers lost (killed, hung): no sender will remove them, and rank dst reads none of them again.
-        """
-        writers = set().union(*(self.writers.get(p, set()) for p in peers))
-        where = shm_dir()
-        if not writers or where is None:
-            return 0
-        names = set()
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(where):
-                m = SHM_NAME.fullmatch(entry.name.removesuffix(FREE))
-                if m is not None and _writer(m) in writers:
-                    names.add(m.group(0))
-        gone = 0
-        for name in sorted(names):
-            for path in (where / name, where / (name + FREE)):  # in this order: a hand-back renames one to the other
-                with contextlib.suppress(OSError):
-                    st = path.lstat()
-                    if st.st_uid == os.getuid() and stat.S_ISREG(st.st_mode):
-                        path.unlink()
-                        gone += 1
-        if gone:
-            log.info("tdgather: removed %d shared memory file(s) of lost peers in %s", gone, where)
-        return gone
-
-
-def _writer(m: re.Match) -> str:
-    """The writer of an shm file name (``SHM_NAME`` match): the name without its number."""
-    return m.group(0).rsplit("-", 1)[0]
-
-
-def pid_namespace() -> int:
-    """This process's PID namespace (the inode of ``/proc/self/ns/pid``; 0 where it cannot be read)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def sweep() -> int:
-    """Remove shm files (of this user) whose writer's process is gone; return how many.
-
-    Only shm files written in this process's PID namespace: another namespace's pids (a container
-    sharing ``/dev/shm``) cannot be checked from here, and are that namespace's to sweep.
-    """
-    where = shm_dir()
-    if where is None:
-        return 0
-    gone = 0
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(where):
-            m = SHM_NAME.fullmatch(entry.name.removesuffix(FREE))
-            if m is None or int(m.group(1)) == os.getpid() or int(m.group(2)) != pid_namespace():
-                continue
-            with contextlib.suppress(OSError):
-                if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(int(m.group(1))):
-                    continue
-                os.unlink(entry.path)
-                gone += 1
-    return gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's: alive
-    return True
