@@ -1,8 +1,8 @@
 """Same-host peers: a chunk's bytes handed over in a shared memory file, only its header over gloo.
 
 On one host, gloo's TCP loopback is far below what memory moves. A sender that shares rank dst's
-host (rank dst names its host in the ready answer: `tdgather.comm.shmfiles.host_token`) writes a packed chunk's pieces
-into a new file in ``/dev/shm`` (`ShmWriter`) and sends the data message with
+host (rank dst names its host in the ready answer: `tdgather.comm.shmfiles.host_token`) writes a
+packed chunk's pieces into a new file in ``/dev/shm`` (`ShmWriter`) and sends the data message with
 ``"shm": {"name", "size"}`` instead of piece messages. Each tensor leaf's bytes start at a multiple
 of `ALIGN`, in the order the pieces would have come (`tdgather.comm.wire.shm_offsets`).
 
