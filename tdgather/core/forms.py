@@ -123,6 +123,15 @@ class Bucket:
         self.leaves: list[list] = [[] for _ in layout.leaves]
         self.json: list[list] = [[] for _ in layout.nontensor]
 
+    def add(self, name: str, frame_idx: Any, tensors: list, json: list | tuple = ()) -> None:
+        """One frame: its filename, frame_idx, a tensor per leaf and a value per JSON leaf (where it has them)."""
+        self.names.append(name)
+        self.idx.append(frame_idx)
+        for values, t in zip(self.leaves, tensors, strict=True):
+            values.append(t)
+        for values, v in zip(self.json, json, strict=True):
+            values.append(v)
+
     def join(self, j: int) -> str:
         """How leaf ``j``'s frames are joined (`join_frames`)."""
         if self.how != "rows":

@@ -236,36 +236,22 @@ class FrameStore:
                     key = (value.dtype, value.shape[1:] if spec else value.shape)
                     bucket = fast.get(key)
                     if bucket is None:
-                        layout = _layout_of(value, frame_label(name, fi), spec, known)
+                        layout = _flattened(value, frame_label(name, fi), spec, known)[0]
                         bucket = fast[key] = Bucket(layout, "ragged" if spec else "stack")
-                    bucket.names.append(name)
+                    bucket.names.append(name)  # `Bucket.add`, inline: the plain tensors' path, per frame
                     bucket.idx.append(fi)
                     bucket.leaves[0].append(value)
                 elif type(value) is dict and (tree := tree_key(value, spec)) is not None:
                     key, tensors = tree
                     bucket = trees.get(key)
                     if bucket is None:  # the first frame of these keys and shapes: flattened, so checked
-                        layout = _layout_of(value, frame_label(name, fi), spec, known)
+                        layout = _flattened(value, frame_label(name, fi), spec, known)[0]
                         bucket = trees[key] = other.setdefault(layout, Bucket(layout, "rows"))
-                    bucket.names.append(name)
-                    bucket.idx.append(fi)
-                    for lst, t in zip(bucket.leaves, tensors, strict=True):
-                        lst.append(t)
+                    bucket.add(name, fi, tensors)
                 else:
-                    if spec:  # flattened as a batch of one (its named leaves ragged), then kept as the frame's rows
-                        layout, tensors, json = flatten([value], 1, frame_label(name, fi), spec, False)
-                        known.update(".".join(leaf.path) for leaf in layout.leaves)
-                        json = [values[0] for values in json]
-                        tensors = [t.values if isinstance(t, Ragged) else t[0] for t in tensors]  # the frame's rows
-                    else:
-                        layout, tensors, json = flatten(value, None, frame_label(name, fi))
+                    layout, tensors, json = _flattened(value, frame_label(name, fi), spec, known)
                     bucket = other.get(layout) or other.setdefault(layout, Bucket(layout, "rows"))
-                    bucket.names.append(name)
-                    bucket.idx.append(fi)
-                    for lst, t in zip(bucket.leaves, tensors, strict=True):
-                        lst.append(t)
-                    for lst, v in zip(bucket.json, json, strict=True):
-                        lst.append(v)
+                    bucket.add(name, fi, tensors, json)
         if frames:  # a rank with no frames has nothing to match the names against
             check_ragged_names(spec, known, "the frames given")
         buckets = [(b, as_index(b.idx, "frame_idx", b.names)) for b in [*fast.values(), *other.values()]]
@@ -491,14 +477,17 @@ class FrameStore:
         return sum(len(g.chunks) + (g.fill > g.start) for g in self._groups.values())
 
 
-def _layout_of(value: Any, where: str, spec: RaggedSpec, known: set[str]) -> Layout:
-    """One frame's layout, its tensor leaves' dotted names added to ``known``.
+def _flattened(value: Any, where: str, spec: RaggedSpec, known: set[str]) -> tuple[Layout, list, list]:
+    """One frame of ``update``: its layout, a tensor per leaf (the frame's own rows) and a value per JSON leaf.
 
-    Under ``spec``, flattened as a batch of one, so that the leaves it names are ragged.
+    Under ``spec``, flattened as a batch of one, so that the leaves it names are ragged, and its
+    tensor leaves' dotted names added to ``known`` (each name in ``spec`` must be one of them).
     """
-    layout = flatten([value], 1, where, spec, False)[0] if spec else flatten(value, None, where)[0]
+    if not spec:
+        return flatten(value, None, where)
+    layout, tensors, json = flatten([value], 1, where, spec, False)
     known.update(".".join(leaf.path) for leaf in layout.leaves)
-    return layout
+    return layout, [t.values if isinstance(t, Ragged) else t[0] for t in tensors], [values[0] for values in json]
 
 
 def _referenced(b: Bucket, g: LayoutGroup) -> bool:

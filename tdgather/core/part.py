@@ -48,21 +48,17 @@ class Part:
     @property
     def nbytes(self) -> int:
         """Tensor bytes of its frames."""
-        values = [
-            int(n.sum()) * leaf.row_nbytes
-            for leaf, n in zip(self.layout.leaves, self.lengths, strict=False)
-            if n is not None
-        ]
-        return self.num_frames * self.layout.frame_nbytes + sum(values)
+        return self.nbytes_of()
 
-    def nbytes_of(self, rows: torch.Tensor) -> int:
-        """Tensor bytes of the frames ``rows`` (a bool per frame) picks."""
+    def nbytes_of(self, rows: torch.Tensor | None = None) -> int:
+        """Tensor bytes of the frames ``rows`` (a bool per frame) picks; of every frame without ``rows``."""
         values = [
-            int(n[rows].sum()) * leaf.row_nbytes
+            int((n if rows is None else n[rows]).sum()) * leaf.row_nbytes
             for leaf, n in zip(self.layout.leaves, self.lengths, strict=False)
             if n is not None
         ]
-        return int(rows.sum()) * self.layout.frame_nbytes + sum(values)
+        frames = self.num_frames if rows is None else int(rows.sum())
+        return frames * self.layout.frame_nbytes + sum(values)
 
     def ranks(self) -> torch.Tensor:
         """int32 ``[n]``: each row's sender."""
