@@ -2,7 +2,8 @@
 # The checks only a GPU machine can run, in one go: the CUDA tests, benchmarks.d2h, benchmarks.seed at
 # 4 and 8 ranks on the GPU, and benchmarks.host at 2, 4 and 8 ranks. Everything it prints also goes
 # to $OUT (default: ./gpu-out). SEED_METHODS, HOST_METHODS: the methods of each (default: all);
-# D2H_RUN=0 leaves out benchmarks.d2h.
+# D2H_RUN=0 leaves out benchmarks.d2h. BEFORE=DIR (an older tree, say `git archive` of a commit)
+# also runs that tree's benchmarks.seed (loop and collector) at each world, right after this one's.
 #
 #   bash benchmarks/gpu.sh            # the full run (about 5 minutes on one H100 with 16 cores)
 #   QUICK=1 bash benchmarks/gpu.sh    # tiny sizes: checks the script itself, on any machine
@@ -13,15 +14,16 @@
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 PY=${PY:-python3}
 if ! $PY -c "import tensordict" 2>/dev/null; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
+    export PYTHONPATH=/tmp/site SITE=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 
-log "machine"
+log "machine ($(date -u +%H:%M:%S))"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -2
   echo "$(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB"
   $PY -c "import sys, torch, tensordict, safetensors; print(sys.version.split()[0], 'torch', torch.__version__, 'tensordict', tensordict.__version__, 'safetensors', safetensors.__version__, 'cuda', torch.cuda.is_available())"
@@ -48,11 +50,19 @@ fi
 for w in $WORLDS; do
     log "benchmarks.seed --world $w $SEED ${SEED_METHODS:+--methods $SEED_METHODS}"
     timeout 300 $PY -m benchmarks.seed --world "$w" $SEED ${SEED_METHODS:+--methods $SEED_METHODS} --out "$OUT/w$w" 2>&1 | tail -14 | tee -a "$OUT/summary.txt"
+    if [ -n "${BEFORE:-}" ]; then
+        log "BEFORE=$BEFORE: benchmarks.seed --world $w $SEED --methods loop collector ($(date -u +%H:%M:%S))"
+        (cd "$BEFORE" && export PYTHONPATH="$PWD${SITE:+:$SITE}" \
+            && $PY -c "import tdgather; print('tdgather from', tdgather.__file__)" \
+            && timeout 300 $PY -m benchmarks.seed --world "$w" $SEED --methods loop collector \
+            --out "$OUT/before-w$w" 2>&1 | tail -5) 2>&1 | tee -a "$OUT/summary.txt"
+    fi
 done
 
-log "benchmarks.host --world $HOSTW $HOST ${HOST_METHODS:+--methods $HOST_METHODS}"
+log "($(date -u +%H:%M:%S)) benchmarks.host --world $HOSTW $HOST ${HOST_METHODS:+--methods $HOST_METHODS}"
 timeout 300 $PY -m benchmarks.host --world $HOSTW $HOST ${HOST_METHODS:+--methods $HOST_METHODS} --dir "${TMPDIR:-/tmp}" 2>&1 | tail -16 | tee -a "$OUT/summary.txt"
 
 log "benchmarks.stages collector (rank 0's stages at the largest world)"
 W=${HOSTW##* }
 timeout 120 $PY -m benchmarks.stages collector ${QUICK:+8}${QUICK:-300} --world "$W" --repeats 2 2>&1 | sed -n 1,26p | tee -a "$OUT/summary.txt"
+log "end ($(date -u +%H:%M:%S))"

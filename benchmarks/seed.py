@@ -19,7 +19,7 @@ high-water marks are their own):
 - ``loop``: the inference loop alone, outputs dropped (the baseline);
 - ``collector``: a `tdgather.Collector` fed each batch in the loop, writing the dataset on rank 0;
 - ``collector_1thread``: the same with ``write_threads=1`` (by default rank 0 writes as many shards
-  at once as a quarter of its cores, 1 to 4: 1 on 2 cores);
+  at once as a quarter of its cores, 1 to 4: 1 on 2 cores); ``collector_8threads``: ``write_threads=8``;
 - ``gather_save``: a `tdgather.FrameStore` fed in the loop, then `tdgather.gather` and `tdgather.save`;
 - ``gather_object``: the outputs kept as they come (CUDA tensors on a GPU), then
   ``torch.distributed.gather_object`` to rank 0 (pickled; unpickled onto the GPUs they came from);
@@ -66,7 +66,16 @@ from .report import machine
 
 __all__ = ["METHODS", "SegNet", "VideoFrames", "main"]
 
-METHODS = ["loop", "collector", "collector_1thread", "gather_save", "gather_object", "cpu_gather_object", "torch_save"]
+METHODS = [
+    "loop",
+    "collector",
+    "collector_1thread",
+    "collector_8threads",
+    "gather_save",
+    "gather_object",
+    "cpu_gather_object",
+    "torch_save",
+]
 QUICK = {"videos": 3, "frames": 5, "size": 16, "batch": 4, "repeats": 1, "rounds": 1}
 MIB = 1 << 20
 
@@ -165,6 +174,7 @@ RUN = {
     "loop": run_loop,
     "collector": run_collector,
     "collector_1thread": lambda job, out: run_collector(job, out, write_threads=1),
+    "collector_8threads": lambda job, out: run_collector(job, out, write_threads=8),
     "gather_save": run_gather_save,
     "gather_object": run_gather_object,
     "cpu_gather_object": run_cpu_gather_object,
@@ -183,7 +193,7 @@ def _frames_made(method: str, job: dict, result: Any, out: str) -> int | None:
     if rank != 0:
         return None
     keys: set = set()
-    if method in ("collector", "collector_1thread", "gather_save"):
+    if method in ("collector", "collector_1thread", "collector_8threads", "gather_save"):
         ds = tdgather.open(out)
         for name in ds:
             f = ds[name]

@@ -203,3 +203,64 @@ def open_files() -> list[str]:
         except OSError:  # the descriptor listdir used, closed since
             pass
     return out
+
+
+GPU = torch.device("cuda", 0)  # only named: the double page-locks nothing
+
+
+class Pin:
+    """A double of `tdgather.comm.pinning.register`: records each mapping's size it page-locks, and each undo."""
+
+    def __init__(self, works: bool = True) -> None:
+        self.works, self.sizes, self.unpinned = works, [], 0
+
+    def __call__(self, mm, device):
+        self.sizes.append(len(mm))
+        return self.unpin if self.works else None
+
+    def unpin(self) -> None:
+        self.unpinned += 1
+
+
+def test_a_gpu_batch_page_locks_its_ring_file_once_and_cleanup_undoes_it(shm):
+    pin = Pin()
+    writer = ShmWriter(pin=pin)
+    arena = writer.arena(8 << 20)
+    first, second = arena.take("layout", 1 << 20, device=GPU), arena.take("layout", 1 << 20, device=GPU)
+    assert second.data_ptr() == first.data_ptr() + (1 << 20)  # back to back, as a CPU batch's
+    assert pin.sizes == [8 << 20] and arena.kept.allocated == 8 << 20  # the whole file, its pages allocated first
+    arena.release()  # not sent: back to the ring, still page-locked
+    again = writer.arena(8 << 20)
+    assert again.take("layout", 1 << 20, device=GPU) is not None and again.kept is arena.kept
+    assert pin.sizes == [8 << 20] and pin.unpinned == 0  # the ring file is locked once, not per chunk
+    again.release()
+    writer.cleanup()
+    assert pin.unpinned == 1 and list(shm.iterdir()) == []
+
+
+def test_where_page_locking_fails_gpu_batches_are_kept_as_before_and_it_is_not_tried_again(shm):
+    pin = Pin(works=False)
+    writer = ShmWriter(pin=pin)
+    arena = writer.arena(8 << 20)
+    assert arena.take("layout", 1 << 20, device=GPU) is None and arena.closed
+    assert arena.take("layout", 1 << 20) is None  # from the first batch it cannot take, it takes none
+    arena.release()
+    later = writer.arena(8 << 20)
+    assert later.take("layout", 1 << 20, device=GPU) is None
+    assert pin.sizes == [8 << 20]  # one try for the writer
+    cpu = writer.arena(8 << 20)
+    assert cpu.take("layout", 1 << 20) is not None  # CPU batches still go into the ring
+    cpu.release()
+    writer.cleanup()
+    assert pin.unpinned == 0
+
+
+def test_a_one_shot_file_is_not_page_locked(shm):
+    pin = Pin()
+    writer = ShmWriter(ring=0, pin=pin)  # every ring file held: the arena's file is sent once
+    arena = writer.arena(8 << 20)
+    assert arena.take("layout", 1 << 20, device=GPU) is None
+    assert pin.sizes == [] and arena.kept is not None and not arena.kept.ring
+    arena.release()
+    writer.cleanup()
+    assert list(shm.iterdir()) == []

@@ -27,10 +27,11 @@ An arena (`Arena`): a Collector's sender claims a ring file when its chunk begin
 shm file while rank dst holds every ring file), and `add` copies each batch straight into it, where
 the data message will lay its rows out; the chunk is then sent in that file with nothing more
 copied (one copy per byte on the sender). Its pages are allocated as the batches fill it
-(`ShmWriter.allocate`), never written before. `ShmWriter.write` checks that every batch there
-lies at its offset; if one does not, the chunk is copied into another file (or, with no room for
-one, goes over gloo), and once those sends are done the arena's file goes back to the ring (a
-one-shot file is removed).
+(`ShmWriter.allocate`), never written before; a CUDA batch is copied there by the GPU once the
+ring file is page-locked whole (`ShmWriter.pin`, `tdgather.comm.pinning`). `ShmWriter.write`
+checks that every batch there lies at its offset; if one does not, the chunk is copied into
+another file (or, with no room for one, goes over gloo), and once those sends are done the
+arena's file goes back to the ring (a one-shot file is removed).
 
 Lifetime: an shm file is written whole before its header is sent, so a sender killed mid-write
 loses only that chunk. A sender removes at close whatever of its own rank dst did not take, and
@@ -60,6 +61,7 @@ from typing import Any
 import torch
 
 from ..core.checks import ProtocolCheck
+from .pinning import Register, Unpin, register
 from .shmfiles import FREE, SHM_NAME, hand_back, pid_namespace, shm_dir
 
 __all__ = ["RING", "Arena", "ShmWriter", "open_shm", "ring_size"]
@@ -88,6 +90,7 @@ class _Kept:
     size: int
     allocated: int
     ring: bool = True
+    unpin: Unpin | None = None  # page-locked for device copies (`ShmWriter.pin`): what undoes it
 
 
 def ring_size() -> int:
@@ -104,7 +107,8 @@ def ring_size() -> int:
 class ShmWriter:
     """One sender's shm files: each packed chunk written into one (or None: send it over gloo)."""
 
-    def __init__(self, ring: int | None = None) -> None:
+    def __init__(self, ring: int | None = None, pin: Register = register) -> None:
+        """``pin``: page-locks a ring file's mapping for device copies (`tdgather.comm.pinning.register`)."""
         self.dir = shm_dir()
         self.token = secrets.token_hex(4)
         self.number = 0
@@ -113,6 +117,7 @@ class ShmWriter:
         self.one_shot: list[_Kept] = []  # arenas' one-shot files still open here (`Arena.release` closes them)
         self.ring = ring_size() if ring is None else ring
         self.warned = False
+        self._pin: Register | None = pin  # None once it failed: not tried again
         self._lock = threading.RLock()  # the loop's thread claims arenas, the send thread writes chunks
 
     def arena(self, size: int) -> Arena:
@@ -135,6 +140,21 @@ class ShmWriter:
             if kept is None:
                 kept = self._new_kept(size, allocate=False, ring=len(self.kept) < self.ring)
         return kept
+
+    def pin(self, kept: _Kept, device: torch.device) -> bool:
+        """Whether ``kept`` is page-locked for copies from ``device``: a ring file, allocated and registered once.
+
+        A one-shot file is not (registering costs more than one chunk's copy gains); once registering
+        failed, no file is.
+        """
+        if kept.unpin is not None:
+            return True
+        if self._pin is None or not kept.ring or not self.allocate(kept, kept.size):
+            return False
+        kept.unpin = self._pin(kept.mm, device)
+        if kept.unpin is None:
+            self._pin = None
+        return kept.unpin is not None
 
     def close_one_shot(self, kept: _Kept, sent: bool) -> None:
         """An arena's one-shot file is done with here: closed (rank dst maps it by name); removed unless ``sent``."""
@@ -281,6 +301,7 @@ class ShmWriter:
             if kept.size < size:
                 with contextlib.suppress(OSError):
                     os.ftruncate(kept.fd, size)
+                    _unpin(kept)
                     # the old mapping is not closed: views of it (a sent chunk's) may be alive; it goes with the last
                     kept.mm, kept.size = mmap.mmap(kept.fd, size, access=mmap.ACCESS_WRITE), size
             if kept.size < size or not self.allocate(kept, size):  # no room to grow it: it waits for a smaller chunk
@@ -307,12 +328,19 @@ class ShmWriter:
             self.remove(path)
         self.made.clear()
         for kept in self.kept:
+            _unpin(kept)
             with contextlib.suppress(BufferError):
                 kept.mm.close()
             os.close(kept.fd)
             self.remove(kept.path)
             self.remove(kept.path.with_name(kept.path.name + FREE))
         self.kept.clear()
+
+
+def _unpin(kept: _Kept) -> None:
+    if kept.unpin is not None:
+        kept.unpin, unpin = None, kept.unpin
+        unpin()
 
 
 def _fill(mm: mmap.mmap, pieces: list[list[torch.Tensor]], offsets: list[int]) -> None:
@@ -327,6 +355,9 @@ def _fill(mm: mmap.mmap, pieces: list[list[torch.Tensor]], offsets: list[int]) -
 
 class Arena:
     """Where a chunk's copied batches go (`tdgather.core.framestore.FrameStore`'s ``arena``): a kept shm file.
+
+    A CUDA batch is copied there by the GPU, asynchronously, once the ring file is page-locked
+    (`ShmWriter.pin`); the store waits for those copies before the chunk is sent.
 
     A batch is copied there once, at ``add``, right after the one before, so the chunk's shm file is
     written as the batches come and its data message needs no copy of them: the file holds one
@@ -348,8 +379,11 @@ class Arena:
         self.sent = False  # its file was the chunk's: rank dst hands it back
         self._base: torch.Tensor | None = None
 
-    def take(self, key: Any, nbytes: int) -> torch.Tensor | None:
-        """``nbytes`` of the file for a batch of ``key``'s layout (uint8), or None: copy it elsewhere."""
+    def take(self, key: Any, nbytes: int, device: torch.device | None = None) -> torch.Tensor | None:
+        """``nbytes`` of the file for a batch of ``key``'s layout (uint8), or None: copy it elsewhere.
+
+        ``device``: the CUDA device the batch is copied from, so the file must be page-locked (`ShmWriter.pin`).
+        """
         if self.closed:
             return None
         if self.kept is None:
@@ -361,6 +395,7 @@ class Arena:
         if (
             key is not self.key
             or self.at + nbytes > self.kept.size
+            or (device is not None and not self.writer.pin(self.kept, device))
             or not self.writer.allocate(self.kept, self.at + nbytes)
         ):
             self.closed = True

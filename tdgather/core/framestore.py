@@ -31,7 +31,8 @@ What the store keeps of a batch given to `FrameStore.add`:
   that could tell; with ``copy=False`` they are kept by reference, and the caller must
   not modify them until they are sent. With an ``arena`` (a Collector's sender on rank
   dst's host), a batch of one tensor leaf is copied into the shared memory its chunk is
-  sent in (`tdgather.comm.shm.Arena`) instead of into memory of its own;
+  sent in (`tdgather.comm.shm.Arena`) instead of into memory of its own; a CUDA batch too,
+  by the GPU, once that memory is page-locked;
 - ``update``'s frames (a dict's, one tensor each, or one flat dict of tensors each, which skips
   `flatten` where its keys, dtypes and shapes were seen: `tdgather.core.forms.tree_key`) are
   stacked into a batch per layout (a ragged leaf's rows joined), which is their copy; but a
@@ -364,19 +365,28 @@ class FrameStore:
     def _held(self, g: LayoutGroup, tensors: list, copy: bool) -> list:
         """What the store keeps of a batch's leaves: copied into the arena where it takes them, else `_keep` each.
 
-        The arena takes a copied CPU batch of one tensor leaf and no JSON leaf, right after the
-        batch before it: the rows then lie where the data message puts them (`tdgather.comm.shm.Arena`).
+        The arena takes a copied CPU or CUDA batch of one tensor leaf and no JSON leaf, right after
+        the batch before it: the rows then lie where the data message puts them
+        (`tdgather.comm.shm.Arena`). A CUDA batch's copy there is asynchronous, as into the store's
+        own pinned memory.
         """
         if copy and self.arena is not None and len(tensors) == 1 and not g.json:
             t = tensors[0]
-            if type(t) is torch.Tensor and t.is_cpu and t.numel() and not (t.is_conj() or t.is_neg()):
+            if type(t) is torch.Tensor and (t.is_cpu or t.is_cuda) and t.numel() and not (t.is_conj() or t.is_neg()):
                 t = t.detach()  # the values: no autograd graph through the copy
-                out = self.arena.take(g, t.nbytes)
+                out = self.arena.take(g, t.nbytes, t.device if t.is_cuda else None)
                 if out is not None:
                     out = out.view(t.dtype).view(t.shape)
-                    out.copy_(t)
-                    return [out]
+                    return [self._from_device(out, t) if t.is_cuda else out.copy_(t)]
         return [self._keep(t, copy) for t in tensors]
+
+    def _from_device(self, host: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """``t`` copied into page-locked ``host`` without waiting; `synchronize` waits for it."""
+        host.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(t.device))
+        self._copies.append(event)
+        return host
 
     def _keep(self, t: Any, copy: bool) -> Any:
         """What the store holds of ``t`` (see the module docstring): a CPU tensor of its own bytes.
@@ -398,12 +408,7 @@ class FrameStore:
             return t
         if t.device.type != "cuda":  # another accelerator: one synchronous copy
             return t.to("cpu", memory_format=torch.contiguous_format)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(t.device))
-        self._copies.append(event)
-        return host
+        return self._from_device(torch.empty(t.shape, dtype=t.dtype, pin_memory=True), t)
 
     def _intern(self) -> None:
         """Give ids to the filenames added since the last call, with C-level passes over the rows."""

@@ -4,13 +4,22 @@ Skipped without CUDA. Two gloo ranks share one GPU when the machine has only one
 """
 
 import math
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import tdgather
+from tdgather.comm.pack import pack
+from tdgather.comm.protocol import Joiner, send_frames
+from tdgather.comm.shm import ShmWriter, open_shm
+from tdgather.core.framestore import FrameStore
 from tdgather.tools.launch import run_local_world
+
+from ..test_arena import Channel
 
 pytestmark = [
     pytest.mark.world,
@@ -130,3 +139,40 @@ def case_ragged_from_gpus() -> dict | None:
 def test_ragged_detections_on_gpus_reach_rank0_on_the_host():
     out = run_local_world(case_ragged_from_gpus, WORLD, timeout=300)[0]
     assert out == {"frames": WORLD * 3 * 8, "wrong": 0, "grew": 0, "pinned": True}
+
+
+@pytest.fixture
+def tmpfs_shm(monkeypatch):
+    """A segment directory of the test's own in /dev/shm: page-locking needs memory pages, not a disk file's."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("needs /dev/shm")
+    where = tempfile.mkdtemp(prefix="tdgather-test-", dir="/dev/shm")
+    monkeypatch.setenv("TDGATHER_SHM_DIR", where)
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def test_a_same_host_senders_cuda_batches_are_copied_by_the_gpu_into_the_shm_file_they_are_sent_in(tmpfs_shm):
+    """A Collector's sender on rank dst's host: one device-to-host copy per byte, into its ring file, page-locked."""
+    writer = ShmWriter()
+    store = FrameStore(arena=writer.arena(8 << 20))
+    batches = list(_cuda_batches(0, n=3))
+    for k, (names, idx, frames) in enumerate(batches):
+        store.add(names, idx, frames if k != 1 else frames.transpose(2, 3).contiguous().transpose(2, 3))
+    arena = store.arena
+    start = torch.frombuffer(arena.kept.mm, dtype=torch.uint8).data_ptr()
+    held = [chunk.tensors[0] for _, chunks in store.groups() for chunk in chunks]
+    nbytes = batches[0][2].nbytes
+    assert [t.data_ptr() - start for t in held] == [k * nbytes for k in range(3)]  # back to back in the file
+    assert all(t.is_pinned() for t in held)  # the file's mapping is page-locked: the GPU copies into it
+    ch = Channel()
+    send_frames(ch, pack(store), Joiner(reuse=False), writer, arena)
+    [header] = [h["shm"] for h in ch.headers if "shm" in h]
+    assert header["name"] == arena.kept.path.name  # sent in the file the GPU copied into: nothing copied at send
+    data = open_shm(header["name"], header["size"], src=1, keep=True)
+    rows = data[: 3 * nbytes].view(torch.float32).view(3 * BATCH, *FRAME)
+    assert torch.equal(rows, torch.cat([frames for _, _, frames in batches]).cpu())
+    del data, rows, held
+    arena.release()
+    writer.cleanup()
+    assert os.listdir(tmpfs_shm) == []
