@@ -82,19 +82,22 @@ def arena(writer: ShmWriter, chunk: int) -> Method:
     return run
 
 
+def _into_ring(writer: ShmWriter, chunk: int, tensors: list[torch.Tensor]) -> None:
+    """``tensors`` copied back to back into a ring file (from the host, or by the GPU into pages not locked)."""
+    kept = writer.claim(2 * chunk)
+    writer.allocate(kept, kept.size)
+    dst, at = torch.frombuffer(kept.mm, dtype=torch.uint8), 0
+    for t in tensors:
+        dst[at : at + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        at += t.nbytes
+    hand_back(kept.path)
+
+
 def store_then_shm(writer: ShmWriter, chunk: int) -> Method:
     def run(outputs: list[torch.Tensor]) -> None:
         for batches in _split(outputs, chunk):
             store = _added(FrameStore(), batches)
-            kept = writer.claim(2 * chunk)
-            writer.allocate(kept, kept.size)
-            dst, at = torch.frombuffer(kept.mm, dtype=torch.uint8), 0
-            for _, chunks in store.groups():
-                for c in chunks:
-                    src = c.tensors[0].reshape(-1).view(torch.uint8)
-                    dst[at : at + src.numel()].copy_(src)
-                    at += src.numel()
-            hand_back(kept.path)
+            _into_ring(writer, chunk, [c.tensors[0] for _, chunks in store.groups() for c in chunks])
 
     return run
 
@@ -102,13 +105,7 @@ def store_then_shm(writer: ShmWriter, chunk: int) -> Method:
 def shm_pageable(writer: ShmWriter, chunk: int) -> Method:
     def run(outputs: list[torch.Tensor]) -> None:
         for batches in _split(outputs, chunk):
-            kept = writer.claim(2 * chunk)
-            writer.allocate(kept, kept.size)
-            dst, at = torch.frombuffer(kept.mm, dtype=torch.uint8), 0
-            for out in batches:
-                dst[at : at + out.nbytes].view(out.dtype).view(out.shape).copy_(out)
-                at += out.nbytes
-            hand_back(kept.path)
+            _into_ring(writer, chunk, batches)
 
     return run
 
