@@ -4,7 +4,7 @@ Each of ``--batches`` batches of ``--batch`` frames is made on the GPU (as a mod
 be), then handed to the host in chunks of ``--chunk-mb``, as a Collector's sender makes them:
 
 - ``arena``: what a Collector's sender on rank dst's host does: ``FrameStore.add`` into the chunk's
-  shm ring file (`tdgather.comm.shm.Arena`), page-locked once with ``cudaHostRegister``: one
+  shm ring file (`tdgather.comm.arena.Arena`), page-locked once with ``cudaHostRegister``: one
   asynchronous copy per byte, waited for once per chunk;
 - ``store_then_shm``: what it did before: ``FrameStore.add`` into pinned memory of the store's own,
   then, per chunk, a copy of it into a ring file (the send's);

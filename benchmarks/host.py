@@ -4,7 +4,8 @@ Run: ``python -m benchmarks.host --world 2 4 --mb 300 --repeats 3``
 
 Every sender (ranks 1..W-1) holds ``--mb`` MB (pre-touched); the figure is rank 0's seconds from a
 barrier until it holds every byte (median of ``--repeats`` after a warm-up), and GB/s of the
-senders' bytes. Methods:
+senders' bytes. Between calls rank 0 removes what the call wrote and runs ``sync``, so that no call
+pays for the writeback of the one before. Methods:
 
 - ``gloo_fresh``: ``isend`` / ``irecv`` into new buffers on rank 0 (its first-touch page faults included);
 - ``gloo_reused``: the same into buffers rank 0 touched before;
@@ -179,6 +180,7 @@ def _rank(mb: int, methods: list[str], repeats: int, scratch: str) -> dict | Non
             if rank == 0:  # the next call writes fresh files, as a run does
                 for entry in os.scandir(scratch):
                     shutil.rmtree(entry.path) if entry.is_dir() else os.unlink(entry.path)
+                os.sync()  # the removal's journal and any writeback behind us, not in the next call's time
         out[m] = statistics.median(times)
     return {"seconds": out, "bytes": n * (world - 1), "shared": ctx.get("shared")} if rank == 0 else None
 

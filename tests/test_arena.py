@@ -1,6 +1,6 @@
 """A sender on rank dst's host copies each batch once, at ``add``, into the shm file its chunk is sent in.
 
-`tdgather.comm.shm.Arena`: the batches of a chunk's one layout, a single tensor leaf, go back to back
+`tdgather.comm.arena.Arena`: the batches of a chunk's one layout, a single tensor leaf, go back to back
 into a kept shm file, where the data message lays out their rows; the send then copies nothing of
 them. Wherever a batch does not lie at its offset (another layout first, a small batch before it),
 the chunk is copied into another shm file as before, and the arena's goes back to the ring. While
@@ -18,6 +18,7 @@ import torch
 from tdgather.comm.pack import pack
 from tdgather.comm.protocol import Joiner, send_frames
 from tdgather.comm.shm import ShmWriter, open_shm
+from tdgather.comm.shmfiles import hand_back
 from tdgather.core.framestore import FrameStore
 
 
@@ -177,6 +178,49 @@ def test_a_chunk_sent_over_gloo_from_its_arena_keeps_the_file_until_the_sends_ar
     arena.release()  # the sends are done
     nxt = writer.arena(8 << 20)
     assert nxt.take(object(), 64) is not None and nxt.kept.path == arena.kept.path  # now it is
+    writer.cleanup()
+
+
+def test_a_batch_allocates_the_pages_it_is_written_into_and_a_ring_file_reuses_its_own(shm):
+    """Past the pages allocated, a batch is written into the file (the kernel allocates each page as
+    it copies), none ahead of it; on a ring file's next lap, into the pages it has, then past them."""
+    writer = ShmWriter(ring=1)
+    store = FrameStore(arena=writer.arena(8 << 20))
+    small = batch(0, rows=6)  # 72 KiB (a batch of 64 KiB or less is copied into a block of small ones)
+    store.add(["v.mp4"] * 6, torch.arange(6), small)
+    kept = store.arena.kept
+    assert kept.allocated == small.nbytes and os.fstat(kept.fd).st_blocks * 512 == small.nbytes
+    header, data = sent(store, writer)
+    assert header["name"] == kept.path.name and header["keep"]
+    assert torch.equal(data[: small.nbytes].view(torch.float32).view(small.shape), small)
+    hand_back(kept.path)  # rank dst is done with it
+    again = FrameStore(arena=writer.arena(8 << 20))
+    big = batch(1, rows=12)  # 144 KiB: its first 72 KiB into the pages there, the rest past them
+    again.add(["w.mp4"] * 12, torch.arange(12), big)
+    assert again.arena.kept is kept and kept.allocated == big.nbytes
+    header, data = sent(again, writer)
+    assert header["name"] == kept.path.name
+    assert torch.equal(data[: big.nbytes].view(torch.float32).view(big.shape), big)
+    writer.cleanup()
+
+
+def test_a_batch_with_no_room_left_for_its_pages_is_kept_as_before(shm, monkeypatch):
+    writer = ShmWriter()
+    store = FrameStore(arena=writer.arena(8 << 20))
+    store.add(["v.mp4"] * 8, torch.arange(8), batch(0))
+    monkeypatch.setenv("TDGATHER_SHM_SPARE", str(1 << 62))  # the directory fills up: no page for the next batch
+    store.add(["v.mp4"] * 8, torch.arange(8, 16), batch(1))
+    arena = store.arena
+    assert arena.closed and arena.kept.allocated == batch(0).nbytes
+    start = torch.frombuffer(arena.kept.mm, dtype=torch.uint8).data_ptr()
+    held = [c.tensors[0] for _, cs in store.groups() for c in cs]
+    assert [start <= t.data_ptr() < start + arena.kept.size for t in held] == [True, False]
+    ch = Channel()
+    send_frames(ch, pack(store), Joiner(reuse=False), writer, arena)  # no room for a copy either: gloo
+    assert "shm" not in ch.headers[0]
+    wanted = torch.cat([batch(0), batch(1)]).reshape(-1).view(torch.uint8)  # the two joined into one piece
+    assert [p.numel() for p in ch.pieces] == [wanted.numel()] and torch.equal(ch.pieces[0], wanted)
+    arena.release()
     writer.cleanup()
 
 

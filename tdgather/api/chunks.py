@@ -50,7 +50,7 @@ class Chunks:
     ) -> None:
         self.settings, self.saved, self.failure, self.progress = settings, saved, failure, progress
         self.out, self.source = out, source
-        self.arenas = arenas if settings.copy else None  # a sender on rank dst's host: `tdgather.comm.shm.Arena`
+        self.arenas = arenas if settings.copy else None  # a sender on rank dst's host: `tdgather.comm.arena.Arena`
         self.store = self._new_store()
         self.since: float | None = None  # when the current chunk's first frame came
         self.pending_peak = 0  # the most chunks queued at once

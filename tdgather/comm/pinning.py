@@ -3,7 +3,7 @@
 A device-to-host copy runs at the link's speed, and without holding up the caller, only into
 page-locked memory; into ordinary pages CUDA copies through a staging buffer of its own while the
 caller waits. A Collector's sender copies CUDA batches straight into its ring's shm files
-(`tdgather.comm.shm.Arena`), so each ring file's whole mapping is registered once, through
+(`tdgather.comm.arena.Arena`), so each ring file's whole mapping is registered once, through
 torch's binding of the CUDA runtime, and unregistered before the mapping is closed.
 
 Each call runs on a short-lived thread of its own: a failed call sets the CUDA runtime's "last

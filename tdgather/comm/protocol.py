@@ -24,8 +24,9 @@ import torch
 from ..core.frames import Layout, Leaf
 from ..core.part import Part
 from ..errors import ProtocolError
+from .arena import Arena
 from .pack import PIECE_MIN, PIECE_TARGET, Packed
-from .shm import Arena, ShmWriter, open_shm
+from .shm import ShmWriter, open_shm
 from .transport import Channel, Message, peer_error
 from .wire import DataHeader, Kind, error_header, shm_offsets
 

@@ -31,7 +31,7 @@ What the store keeps of a batch given to `FrameStore.add`:
   that could tell; with ``copy=False`` they are kept by reference, and the caller must
   not modify them until they are sent. With an ``arena`` (a Collector's sender on rank
   dst's host), a batch of one tensor leaf is copied into the shared memory its chunk is
-  sent in (`tdgather.comm.shm.Arena`) instead of into memory of its own; a CUDA batch too,
+  sent in (`tdgather.comm.arena.Arena`) instead of into memory of its own; a CUDA batch too,
   by the GPU, once that memory is page-locked;
 - ``update``'s frames (a dict's, one tensor each, or one flat dict of tensors each, which skips
   `flatten` where its keys, dtypes and shapes were seen: `tdgather.core.forms.tree_key`) are
@@ -106,7 +106,8 @@ class FrameStore:
     ) -> None:
         self.copy = copy
         # where copied batches go, when the store's bytes are to be sent through shared memory: an object
-        # with ``take(key, nbytes)`` giving a uint8 tensor, or None (`tdgather.comm.shm.Arena`)
+        # with ``put(key, t)`` giving a CPU batch's copy there and ``take(key, nbytes, device)`` the uint8
+        # room for a CUDA batch's, or None (`tdgather.comm.arena.Arena`)
         self.arena = arena
         self.fixed = fixed  # frames declared fixed (ragged=False): a first dim that changes is refused
         self._saved = saved or {}  # a resumed run's layouts: a filename must keep the one it was saved with
@@ -367,17 +368,21 @@ class FrameStore:
 
         The arena takes a copied CPU or CUDA batch of one tensor leaf and no JSON leaf, right after
         the batch before it: the rows then lie where the data message puts them
-        (`tdgather.comm.shm.Arena`). A CUDA batch's copy there is asynchronous, as into the store's
+        (`tdgather.comm.arena.Arena`). A CUDA batch's copy there is asynchronous, as into the store's
         own pinned memory.
         """
         if copy and self.arena is not None and len(tensors) == 1 and not g.json:
             t = tensors[0]
             if type(t) is torch.Tensor and (t.is_cpu or t.is_cuda) and t.numel() and not (t.is_conj() or t.is_neg()):
                 t = t.detach()  # the values: no autograd graph through the copy
-                out = self.arena.take(g, t.nbytes, t.device if t.is_cuda else None)
-                if out is not None:
-                    out = out.view(t.dtype).view(t.shape)
-                    return [self._from_device(out, t) if t.is_cuda else out.copy_(t)]
+                if not t.is_cuda:
+                    out = self.arena.put(g, t)
+                    if out is not None:
+                        return [out]
+                else:
+                    out = self.arena.take(g, t.nbytes, t.device)
+                    if out is not None:
+                        return [self._from_device(out.view(t.dtype).view(t.shape), t)]
         return [self._keep(t, copy) for t in tensors]
 
     def _from_device(self, host: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
