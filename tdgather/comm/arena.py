@@ -85,15 +85,14 @@ class Arena:
         (`ShmWriter.pwrite`): the kernel allocates each page as it copies into it. Into pages already
         there (a ring file on its next lap), it is copied through the mapping.
         """
+        flat = _flat_bytes(t)
+        if flat is None:  # not contiguous: copied through the mapping, its strides resolved
+            out = self.take(key, t.nbytes)
+            return None if out is None else out.view(t.dtype).view(t.shape).copy_(t)
         nbytes = t.nbytes
         if not self._next(key, nbytes, None):
             return None
-        at, kept, flat = self.at, self.kept, _flat_bytes(t)
-        if flat is None:  # not contiguous: copied through the mapping, its strides resolved
-            if not self.writer.allocate(kept, at + nbytes):
-                self.closed = True
-                return None
-            return self._advance(nbytes).view(t.dtype).view(t.shape).copy_(t)
+        at, kept = self.at, self.kept
         split = min(max(kept.allocated, at), at + nbytes)  # bytes before it have their pages
         if split < at + nbytes and not self.writer.pwrite(kept, split, flat[split - at :]):
             self.closed = True

@@ -375,14 +375,13 @@ class FrameStore:
             t = tensors[0]
             if type(t) is torch.Tensor and (t.is_cpu or t.is_cuda) and t.numel() and not (t.is_conj() or t.is_neg()):
                 t = t.detach()  # the values: no autograd graph through the copy
-                if not t.is_cuda:
-                    out = self.arena.put(g, t)
-                    if out is not None:
-                        return [out]
+                if t.is_cpu:
+                    held = self.arena.put(g, t)
                 else:
-                    out = self.arena.take(g, t.nbytes, t.device)
-                    if out is not None:
-                        return [self._from_device(out.view(t.dtype).view(t.shape), t)]
+                    room = self.arena.take(g, t.nbytes, t.device)
+                    held = None if room is None else self._from_device(room.view(t.dtype).view(t.shape), t)
+                if held is not None:
+                    return [held]
         return [self._keep(t, copy) for t in tensors]
 
     def _from_device(self, host: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
